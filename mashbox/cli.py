@@ -1,0 +1,163 @@
+"""`mashbox run | pull | models`: flags -> frozen config -> the server.
+
+Exit codes: 0 ok, 2 for anything the user can fix (unknown model id, missing path, bad
+checksum, unsupported architecture, corrupt file, a public host without an API key,
+a bad flag value), 1 for a server that failed after it started.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import Optional, Sequence
+
+from mashbox import __version__, registry
+from mashbox.config import EngineConfig, ServerConfig
+from mashbox.modelfile import ModelFileError, inspect
+
+log = logging.getLogger("mashbox")
+
+EXIT_USAGE = 2
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mashbox",
+        description="A local LLM inference server speaking the OpenAI and Anthropic APIs.",
+    )
+    p.add_argument("--version", action="version", version=f"mashbox {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser(
+        "run",
+        help="serve a model over HTTP",
+        description="Serve a model over HTTP (OpenAI Chat Completions, Completions, Responses "
+        "and Anthropic Messages). With no model, the default model is pulled and served.",
+    )
+    run.add_argument("model", nargs="?", default=None,
+                     help=f"a model id from `mashbox models` (default {registry.DEFAULT_MODEL_ID}), "
+                     "a .gguf file, or a Hugging Face model folder")
+    run.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1); any other than loopback "
+                     "needs an API key")
+    run.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    run.add_argument("--api-key-file", default=None,
+                     help="file of API keys, one a line; 'name: key' gives a key a tenant name "
+                     "(keys with one name share a tenant); '#' starts a comment. "
+                     "MASHBOX_API_KEY sets one key too")
+    run.add_argument("--server-name", action="append", default=[], metavar="NAME",
+                     help="a host name the server answers to besides its address and localhost "
+                     "(repeatable; other Host headers get 403)")
+    run.add_argument("--slots", type=int, default=4,
+                     help="requests decoded together, one KV cache slot each (default 4)")
+    run.add_argument("--ctx", type=int, default=None,
+                     help="context length of each slot in tokens (default: the model's trained "
+                     "length; larger is allowed, with a warning)")
+    run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                     help="compute dtype (default auto: the faster one on this device, measured)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="device (default auto: cuda when available, else cpu)")
+    run.add_argument("--prefill-chunk", type=int, default=512,
+                     help="most prompt tokens prefilled in one step, over all requests (default 512)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch threads in the worker (default: torch's choice)")
+    run.add_argument("--ui", action="store_true", help="serve the chat page at /")
+    run.add_argument("--log-level", default="info",
+                     choices=("debug", "info", "warning", "error"), help="log level (default info)")
+
+    pull = sub.add_parser("pull", help="download a model into the cache folder",
+                          description="Download a model into the cache folder "
+                          "($MASHBOX_HOME, default ~/.cache/mashbox) and check its sha256.")
+    pull.add_argument("model", help="model id (see `mashbox models`)")
+
+    sub.add_parser("models", help="list known model ids, their sizes, and whether they are pulled",
+                   description="List the model ids mashbox knows, their sizes, and whether "
+                   "each is pulled into the cache folder.")
+    return p
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"mashbox: error: {message}\n")
+    return EXIT_USAGE
+
+
+def _cmd_models() -> int:
+    rows = []
+    for s in registry.catalog().values():
+        pulled = "pulled" if registry.is_pulled(s) else "-"
+        default = " (default)" if s.id == registry.DEFAULT_MODEL_ID else ""
+        rows.append((s.id + default, f"{s.size_bytes / 1e6:.0f} MB", pulled, s.description))
+    widths = [max(len(r[i]) for r in rows + [("ID", "SIZE", "PULLED", "")]) for i in range(3)]
+    print(f"{'ID':<{widths[0]}}  {'SIZE':>{widths[1]}}  {'PULLED':<{widths[2]}}  DESCRIPTION")
+    for r in rows:
+        print(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}")
+    print(f"cache folder: {registry.home()}")
+    return 0
+
+
+def _cmd_pull(model_id: str) -> int:
+    path = registry.pull(model_id)
+    print(path)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from mashbox.http.security import load_api_keys
+
+    if args.slots < 1:
+        return _fail("--slots must be >= 1")
+    if args.ctx is not None and args.ctx < 16:
+        return _fail("--ctx must be >= 16")
+    if args.prefill_chunk < 1:
+        return _fail("--prefill-chunk must be >= 1")
+    if not 0 < args.port < 65536:
+        return _fail("--port must be in 1..65535")
+    try:
+        keys = load_api_keys(args.api_key_file, os.environ)
+    except (OSError, ValueError) as e:
+        return _fail(f"--api-key-file: {e}")
+    if not keys and not _is_loopback(args.host):
+        return _fail(
+            f"--host {args.host} is not a loopback address: refusing to serve without an API key "
+            "(give --api-key-file or set MASHBOX_API_KEY)"
+        )
+    model_id, path = registry.resolve(args.model)
+    mf = inspect(path)
+    if args.ctx is not None and mf.context_length and args.ctx > mf.context_length:
+        log.warning("--ctx %d is longer than the model's trained context (%d): quality may drop "
+                    "past %d tokens", args.ctx, mf.context_length, mf.context_length)
+    server = ServerConfig(host=args.host, port=args.port, api_keys=keys,
+                          server_names=tuple(args.server_name), ui=args.ui)
+    engine = EngineConfig(model_path=str(path), model_id=model_id, slots=args.slots, ctx=args.ctx,
+                          dtype=args.dtype, device=args.device, prefill_chunk=args.prefill_chunk,
+                          threads=args.threads)
+    from mashbox.api.app import serve
+
+    return serve(server, engine)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    level = getattr(args, "log_level", "info").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "models":
+            return _cmd_models()
+        if args.command == "pull":
+            return _cmd_pull(args.model)
+        return _cmd_run(args)
+    except (registry.RegistryError, ModelFileError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 0
