@@ -1,0 +1,143 @@
+"""The server process: router + guard + engine client + every route, on uvloop.
+
+How routes are registered (the convention every api module follows):
+
+    # in mashbox/api/<surface>.py
+    def routes(api: ApiContext) -> list[tuple[str, str, Handler, str]]:
+        return [("POST", "/v1/chat/completions", handler, "openai"), ...]
+
+  each tuple is (method, path, handler, family): `handler` is `async def h(req) ->
+  Response | StreamResponse` (a closure over `api`), `family` is "openai" or
+  "anthropic" (the error shape the router answers in). `ROUTE_MODULES` lists the
+  modules in registration order; app.py imports each and adds what `routes(api)`
+  returns. A module listed but not written yet is skipped with a warning.
+
+Readiness: the engine client starts the worker in the background; until its ready
+frame, health answers 503 `loading` and every generating route 503 (OpenAI) / 529
+(Anthropic) with Retry-After (common.require_ready). The tokenizer and chat template
+load in this process from the same model path (no torch here).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import signal
+from typing import Any, Callable, Optional
+
+from mashbox.api.common import ApiContext
+from mashbox.config import EngineConfig, ServerConfig
+
+log = logging.getLogger("mashbox.api")
+
+ROUTE_MODULES = (
+    "mashbox.api.health",
+    "mashbox.api.metrics",
+    "mashbox.api.chat",
+    "mashbox.api.completions",
+    "mashbox.api.messages",
+    "mashbox.api.responses",
+)
+
+
+def load_text(engine_config: EngineConfig) -> tuple[Any, Any]:
+    """The tokenizer and chat template of the model, loaded in the server process."""
+    from mashbox.text.chat import ChatTemplate
+    from mashbox.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(engine_config.model_path)
+    return tokenizer, ChatTemplate(tokenizer)
+
+
+def make_context(server_config: ServerConfig, engine_config: EngineConfig, engine: Any,
+                 tokenizer: Any = None, template: Any = None) -> ApiContext:
+    from mashbox.api.metrics import Metrics
+
+    if tokenizer is None or template is None:
+        tokenizer, template = load_text(engine_config)
+    return ApiContext(
+        server_config=server_config,
+        engine_config=engine_config,
+        engine=engine,
+        tokenizer=tokenizer,
+        template=template,
+        metrics=Metrics(),
+    )
+
+
+def build_router(api: ApiContext, guard: Any = None):
+    """A Router holding every route of every module in ROUTE_MODULES."""
+    from mashbox.http.router import Router
+
+    router = Router(guard)
+    for name in ROUTE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            log.warning("api module %s is not there; its routes are not served", name)
+            continue
+        for method, path, handler, family in module.routes(api):
+            router.add(method, path, handler, family)
+    return router
+
+
+def make_guard(server_config: ServerConfig) -> Any:
+    from mashbox.http.security import Guard
+
+    return Guard(server_config)
+
+
+async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
+                      engine: Any = None, stop: Optional[asyncio.Event] = None,
+                      on_listening: Optional[Callable[[Any], None]] = None) -> int:
+    """Run until `stop` is set (SIGINT / SIGTERM set it when it is None). Returns the exit code.
+
+    `engine`: an EngineClient-like object; None starts the real worker.
+    """
+    from mashbox.http.protocol import start_server
+
+    loop = asyncio.get_running_loop()
+    if engine is None:
+        from mashbox.engine.client import EngineClient
+
+        engine = EngineClient(engine_config, server_config)
+    api = make_context(server_config, engine_config, engine)
+    router = build_router(api, make_guard(server_config))
+
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
+                pass
+
+    server = await start_server(router, server_config)
+    log.info("listening on http://%s:%d", server_config.host, server_config.port)
+    if on_listening is not None:
+        on_listening(server)
+    engine_task = asyncio.ensure_future(engine.start())
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        if not engine_task.done():
+            engine_task.cancel()
+        try:
+            await engine.stop()
+        except Exception:  # noqa: BLE001 - shutting down: log and go on
+            log.exception("engine stop failed")
+        try:
+            await asyncio.wait_for(server.wait_closed(), 5.0)
+        except asyncio.TimeoutError:
+            log.warning("connections still open at shutdown")
+    return 0
+
+
+def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:
+    """Run the server on uvloop until SIGINT / SIGTERM; the process exit code."""
+    import uvloop
+
+    return uvloop.run(serve_async(server_config, engine_config))

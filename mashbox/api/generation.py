@@ -1,0 +1,362 @@
+"""One engine request, driven for a route: submit, read StepEvents, parse, account.
+
+Rules:
+- `Generation.submit()` runs before a route answers anything, so QueueFull / NotReady
+  become the family's 429 / 503 / 529 as plain HTTP errors (never mid-stream).
+- `steps()` yields one `Step` per engine event (its parsed pieces may be empty: the
+  first event only says the request got a slot) and, with `heartbeat_s`, `None` after
+  that long without an event so a route can send a keep-alive (Messages' ping). The
+  parser's held-back text comes out in the last Step, after the engine's final event.
+- The engine request is cancelled in `finally`: a client that goes away (the stream's
+  iterator is closed, or a non-streamed handler task is cancelled) frees its slot at
+  once, whether queued, prefilling or decoding. cancel() is idempotent.
+- A worker failure (finish_reason "error") raises `GenerationError`; the route answers
+  500 before output, or its stream's error event after.
+- Pieces are this module's own `Piece` values (kind text | reasoning | tool_start |
+  tool_args | tool_end), whatever the parser's types; tool-call ids are made here with
+  the route's prefix (call_ / toolu_ / fc_).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from mashbox.api.common import (
+    ApiContext,
+    SamplingFields,
+    device_error,
+    engine_error,
+    new_id,
+    require_ready,
+)
+from mashbox.api.prompt import Prompt
+from mashbox.config import GenerationRequest, StepEvent, Timings
+
+log = logging.getLogger("mashbox.api")
+
+PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
+
+
+@dataclass(frozen=True)
+class Piece:
+    kind: str  # one of PIECE_KINDS
+    text: str = ""  # text / reasoning / tool_args delta
+    index: int = 0  # tool call number within the answer (tool_* kinds)
+    id: str = ""  # tool_start: the call's id
+    name: str = ""  # tool_start: the function name
+
+
+@dataclass
+class ToolCall:
+    index: int
+    id: str
+    name: str
+    arguments: str = ""  # JSON text as the model wrote it
+    done: bool = False
+
+
+@dataclass
+class Step:
+    pieces: list  # list[Piece]
+    event: Optional[StepEvent]  # None for the parser's final flush
+    finished: bool = False
+
+
+class GenerationError(Exception):
+    """The worker failed this request."""
+
+
+@dataclass
+class Result:
+    """Everything parsed so far; complete once `finished`."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list = field(default_factory=list)  # list[ToolCall]
+    finish_reason: Optional[str] = None  # the engine's: stop | stop_sequence | length | cancelled | error
+    stop_sequence: Optional[str] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    timings: Optional[Timings] = None
+    finished: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def timings_json(t: Optional[Timings]) -> dict:
+    """llama-server's timings block."""
+    t = t or Timings()
+    return {
+        "prompt_n": t.prompt_n,
+        "prompt_ms": round(t.prompt_ms, 3),
+        "prompt_per_second": (t.prompt_n * 1000.0 / t.prompt_ms) if t.prompt_ms > 0 else None,
+        "predicted_n": t.predicted_n,
+        "predicted_ms": round(t.predicted_ms, 3),
+        "predicted_per_second": ((t.predicted_n - 1) * 1000.0 / t.predicted_ms)
+        if t.predicted_ms > 0 and t.predicted_n > 1 else None,
+        "cache_n": t.cache_n,
+        "queue_ms": round(t.queue_ms, 3),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The parser adapter: text.parsers.OutputParser pieces -> this module's Pieces
+# ---------------------------------------------------------------------------------------
+
+
+class _PlainParser:
+    """No tags to look for: every delta is text."""
+
+    def feed(self, text: str) -> list:
+        return [Piece("text", text)] if text else []
+
+    def finish(self) -> list:
+        return []
+
+
+class _ParserAdapter:
+    def __init__(self, prompt: Prompt, id_prefix: str):
+        from mashbox.text.parsers import OutputParser
+
+        self._parser = _make_output_parser(OutputParser, prompt)
+        self._id_prefix = id_prefix
+        self._ids: dict[int, str] = {}
+
+    def feed(self, text: str) -> list:
+        return self._convert(self._parser.feed(text)) if text else []
+
+    def finish(self) -> list:
+        return self._convert(self._parser.finish())
+
+    def _convert(self, raw) -> list:
+        out = []
+        for p in raw:
+            kind = _piece_kind(p)
+            index = int(getattr(p, "index", 0) or 0)
+            if kind == "tool_start":
+                call_id = self._id_prefix + new_id("")[:24]
+                self._ids[index] = call_id
+                out.append(Piece("tool_start", index=index, id=call_id, name=getattr(p, "name", "") or ""))
+            elif kind in ("tool_args", "tool_end"):
+                out.append(Piece(kind, text=_piece_text(p) if kind == "tool_args" else "", index=index,
+                                 id=self._ids.get(index, "")))
+            elif kind in ("text", "reasoning"):
+                t = _piece_text(p)
+                if t:
+                    out.append(Piece(kind, text=t))
+        return out
+
+
+def _make_output_parser(cls, prompt: Prompt):
+    kwargs = {"reasoning": prompt.parse_reasoning, "tools": prompt.parse_tools}
+    try:
+        return cls(**kwargs, in_reasoning=prompt.starts_in_reasoning)
+    except TypeError:
+        return cls(**kwargs)
+
+
+_KIND_ALIASES = {
+    "text": "text",
+    "content": "text",
+    "reasoning": "reasoning",
+    "thinking": "reasoning",
+    "tool_call_start": "tool_start",
+    "tool_start": "tool_start",
+    "tool_call_args": "tool_args",
+    "tool_call_delta": "tool_args",
+    "tool_args": "tool_args",
+    "tool_call_end": "tool_end",
+    "tool_end": "tool_end",
+}
+
+
+def _piece_kind(p) -> str:
+    kind = getattr(p, "kind", None)
+    kind = getattr(kind, "value", kind)
+    if kind not in _KIND_ALIASES:
+        raise ValueError(f"unknown parser piece kind {kind!r}")
+    return _KIND_ALIASES[kind]
+
+
+def _piece_text(p) -> str:
+    for name in ("text", "delta", "arguments"):
+        v = getattr(p, name, None)
+        if isinstance(v, str):
+            return v
+    return ""
+
+
+# ---------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------
+
+
+class Generation:
+    """One request's run: `submit()`, then `async for step in steps()`; `result` builds up."""
+
+    def __init__(
+        self,
+        api: ApiContext,
+        prompt: Prompt,
+        fields: SamplingFields,
+        family: str,
+        tenant: str = "",
+        request_id: Optional[str] = None,
+        tool_id_prefix: str = "call_",
+        ignore_eos: bool = False,
+    ):
+        self.api = api
+        self.prompt = prompt
+        self.family = family
+        self.id = request_id or new_id("req_")
+        self.request = GenerationRequest(
+            id=self.id,
+            tenant=tenant,
+            prompt_ids=prompt.ids,
+            sampling=fields.sampling,
+            stops=fields.stops,
+            max_tokens=prompt.max_tokens,
+            ignore_eos=ignore_eos,
+        )
+        needs_parser = prompt.parse_tools or prompt.parse_reasoning
+        self._parser = _ParserAdapter(prompt, tool_id_prefix) if needs_parser else _PlainParser()
+        self.result = Result(prompt_tokens=len(prompt.ids))
+        self._calls: dict[int, ToolCall] = {}
+        self._handle = None
+        self._submitted_at = 0.0
+        self._first_token_at: Optional[float] = None
+        self.output_sent = False  # set by a route once a client has received model output
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def submit(self) -> None:
+        """Admit the request to the engine; raises the family's 429 / 503 / 529 HTTPError."""
+        require_ready(self.api, self.family)
+        try:
+            self._handle = self.api.engine.submit(self.request)
+        except Exception as exc:
+            if type(exc).__name__ in ("QueueFull", "NotReady"):
+                raise engine_error(exc, self.family) from None
+            raise
+        self._submitted_at = time.monotonic()
+
+    def cancel(self) -> None:
+        if self._handle is not None and not self.result.finished:
+            self._handle.cancel()
+
+    async def steps(self, heartbeat_s: Optional[float] = None) -> AsyncIterator[Optional[Step]]:
+        if self._handle is None:
+            self.submit()
+        it = self._handle.__aiter__()
+        pending: Optional[asyncio.Future] = None
+        try:
+            # The forced tool-call opening is part of the answer: parse it first.
+            if self.prompt.forced_text:
+                pieces = self._apply(self._parser.feed(self.prompt.forced_text))
+                if pieces:
+                    yield Step(pieces, None)
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(it.__anext__())
+                if heartbeat_s is not None:
+                    done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
+                    if not done:
+                        yield None
+                        continue
+                try:
+                    ev: StepEvent = await pending
+                except StopAsyncIteration:
+                    raise GenerationError("the engine ended the request without a finish reason") from None
+                finally:
+                    pending = None
+                step = self._on_event(ev)
+                if step.finished:
+                    tail = self._apply(self._parser.finish())
+                    step.pieces.extend(tail)
+                    self._finish(ev)
+                    yield step
+                    return
+                yield step
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            self.cancel()
+
+    async def run(self) -> Result:
+        """Non-streamed: drive to the end and return the result."""
+        async for _ in self.steps():
+            pass
+        return self.result
+
+    # -- events -> pieces ------------------------------------------------------------------
+
+    def _on_event(self, ev: StepEvent) -> Step:
+        r = self.result
+        if ev.token_ids:
+            if self._first_token_at is None:
+                self._first_token_at = time.monotonic()
+            r.completion_tokens += len(ev.token_ids)
+        if ev.cached_tokens:
+            r.cached_tokens = ev.cached_tokens
+        if ev.finish_reason == "error":
+            self.result.finish_reason = "error"
+            self.result.finished = True
+            self._record()
+            raise GenerationError(ev.error or "the request failed on the device")
+        pieces = self._apply(self._parser.feed(ev.text)) if ev.text else []
+        return Step(pieces, ev, finished=ev.finish_reason is not None)
+
+    def _apply(self, pieces: list) -> list:
+        r = self.result
+        for p in pieces:
+            if p.kind == "text":
+                r.text += p.text
+            elif p.kind == "reasoning":
+                r.reasoning += p.text
+            elif p.kind == "tool_start":
+                call = ToolCall(index=p.index, id=p.id, name=p.name)
+                self._calls[p.index] = call
+                r.tool_calls.append(call)
+            elif p.kind == "tool_args":
+                self._calls[p.index].arguments += p.text
+            elif p.kind == "tool_end":
+                self._calls[p.index].done = True
+        return pieces
+
+    def _finish(self, ev: StepEvent) -> None:
+        r = self.result
+        r.finish_reason = ev.finish_reason
+        r.stop_sequence = ev.stop_sequence
+        r.timings = ev.timings
+        if ev.timings is not None:
+            r.cached_tokens = ev.timings.cache_n
+            if ev.timings.predicted_n:
+                r.completion_tokens = max(r.completion_tokens, ev.timings.predicted_n)
+        r.finished = True
+        self._record()
+
+    def _record(self) -> None:
+        metrics = self.api.metrics
+        if metrics is None:
+            return
+        now = time.monotonic()
+        metrics.observe_request(
+            finish_reason=self.result.finish_reason or "error",
+            prompt_tokens=self.result.prompt_tokens,
+            cached_tokens=self.result.cached_tokens,
+            completion_tokens=self.result.completion_tokens,
+            timings=self.result.timings,
+            ttft_s=(self._first_token_at - self._submitted_at) if self._first_token_at else None,
+            e2e_s=now - self._submitted_at if self._submitted_at else None,
+        )
+
+
+def finish_failure(exc: GenerationError, family: str):
+    """The 500 a non-streamed route answers when the worker failed its request."""
+    return device_error(f"The request failed on the device: {exc}", family)

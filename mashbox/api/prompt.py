@@ -1,0 +1,226 @@
+"""A conversation (any route's, mapped to one shape) -> the prompt ids the engine runs.
+
+Rules:
+- Routes map their request onto a `Conversation` of HF-style messages, the shape chat
+  templates read:
+    {"role": "system" | "user" | "assistant" | "tool", "content": str,
+     "tool_calls": [{"id", "type": "function", "function": {"name", "arguments": dict}}],
+     "tool_call_id": str, "name": str, "reasoning_content": str}
+  and HF-style tools `{"type": "function", "function": {"name", "description",
+  "parameters"}}`.
+- System and developer messages, wherever they stand, are joined (in order, blank line
+  between) into one system message at the front: templates expect at most one, first.
+- tool_choice: none renders no tools and parses none; auto renders them; required and
+  a named function also start the assistant turn with the opening of a call
+  (`<tool_call>\n` / `<tool_call>\n{"name": "NAME", "arguments": `), so even a small
+  model produces a call. That opening is model output as far as the parser is
+  concerned: generation.py feeds `Prompt.forced_text` to the parser first.
+- max_tokens: default = what is left of the context after the prompt; a larger request
+  is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
+  token is a 400 that says by how many tokens it is too long.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import orjson
+
+from mashbox.api.common import ApiContext, bad_request
+
+log = logging.getLogger("mashbox.api")
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str = "auto"  # auto | none | required | named
+    name: Optional[str] = None  # the function, when mode == "named"
+
+    def __post_init__(self):
+        if self.mode not in TOOL_CHOICE_MODES:
+            raise ValueError(f"tool choice mode {self.mode!r}")
+        if (self.mode == "named") != (self.name is not None):
+            raise ValueError("a named tool choice needs a name, and only it")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list  # HF-style dicts (see the module rules); system ones anywhere
+    tools: list = field(default_factory=list)  # HF-style function tools
+    tool_choice: ToolChoice = ToolChoice()
+    enable_thinking: Optional[bool] = None  # None = the template's default
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What generation.py needs to run one request and parse its output."""
+
+    ids: tuple[int, ...]
+    max_tokens: int  # already fitted to the context
+    forced_text: str = ""  # assistant text the prompt already ends with (forced call opening)
+    parse_tools: bool = False
+    parse_reasoning: bool = False
+    starts_in_reasoning: bool = False  # the generation prompt opened a think block
+    tool_names: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------------------------------
+# Conversation shaping
+# ---------------------------------------------------------------------------------------
+
+
+def join_system(messages: list) -> list:
+    """Move every system / developer message's text into one leading system message."""
+    system_parts: list[str] = []
+    rest = []
+    for m in messages:
+        if m.get("role") in ("system", "developer"):
+            text = m.get("content") or ""
+            if text:
+                system_parts.append(text)
+        else:
+            rest.append(m)
+    if system_parts:
+        return [{"role": "system", "content": "\n\n".join(system_parts)}] + rest
+    return rest
+
+
+def tool_names(tools: list) -> tuple[str, ...]:
+    return tuple(t["function"]["name"] for t in tools)
+
+
+def forced_opening(choice: ToolChoice) -> str:
+    """The start of the assistant turn that forces a call (empty for auto / none)."""
+    if choice.mode == "required":
+        return TOOL_CALL_OPEN + "\n"
+    if choice.mode == "named":
+        return TOOL_CALL_OPEN + "\n" + '{"name": ' + orjson.dumps(choice.name).decode() + ', "arguments": '
+    return ""
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering and encoding (the text layer does the template; this adapts to it)
+# ---------------------------------------------------------------------------------------
+
+
+def _template_kwargs(conv: Conversation) -> dict:
+    kwargs = {}
+    if conv.enable_thinking is not None:
+        kwargs["enable_thinking"] = conv.enable_thinking
+    return kwargs
+
+
+def _encode_conversation(api: ApiContext, messages: list, tools: Optional[list], conv: Conversation) -> list[int]:
+    try:
+        return list(api.template.encode(messages, tools=tools or None, add_generation_prompt=True,
+                                        **_template_kwargs(conv)))
+    except Exception as exc:  # a template's raise_exception or a bad message shape
+        if isinstance(exc, _TEMPLATE_ERRORS):
+            raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages")
+        raise
+
+
+def _template_errors() -> tuple:
+    errors: list = [ValueError, TypeError, KeyError]
+    try:
+        import jinja2
+
+        errors.append(jinja2.TemplateError)
+    except ImportError:  # pragma: no cover - jinja2 is a dependency
+        pass
+    return tuple(errors)
+
+
+_TEMPLATE_ERRORS = _template_errors()
+
+
+def _encode_trusted(api: ApiContext, text: str) -> list[int]:
+    """Encode text mashbox itself wrote: the tool-call opening may be a special token
+    (Qwen's `<tool_call>`), so markers in the vocabulary become their ids; the rest is
+    plain text. Client-controlled parts (a tool name) never contain the marker: the
+    marker is split out before the name is appended."""
+    tok = api.tokenizer
+    special = getattr(tok, "special_tokens", {}) or {}
+    ids: list[int] = []
+    rest = text
+    if rest.startswith(TOOL_CALL_OPEN) and TOOL_CALL_OPEN in special:
+        ids.append(special[TOOL_CALL_OPEN])
+        rest = rest[len(TOOL_CALL_OPEN):]
+    if rest:
+        ids.extend(tok.encode(rest))
+    return ids
+
+
+def _reasoning_flags(api: ApiContext, conv: Conversation, ids: list[int]) -> tuple[bool, bool]:
+    """(parse reasoning, starts inside a think block) for this template and prompt."""
+    template_text = getattr(api.template, "source", None) or getattr(api.tokenizer, "chat_template", None) or ""
+    parse = "<think>" in template_text or "<think>" in (getattr(api.tokenizer, "special_tokens", {}) or {})
+    if not parse or conv.enable_thinking is False:
+        return parse, False
+    tail = api.tokenizer.decode(ids[-8:]) if ids else ""
+    stripped = tail.rstrip()
+    starts_in = stripped.endswith("<think>")
+    return parse, starts_in
+
+
+def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], param: str = "messages") -> int:
+    ctx = api.ctx
+    room = ctx - n_prompt
+    if room < 1:
+        over = n_prompt - ctx + 1
+        raise bad_request(
+            f"The prompt is {n_prompt} tokens, {over} too many for the context of {ctx} tokens "
+            f"(which must also hold at least one new token); shorten it by {over} tokens.",
+            param,
+        )
+    if requested is None or requested > room:
+        return room
+    return requested
+
+
+def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
+    """Render, tokenize, force the tool choice, fit max_tokens."""
+    messages = join_system(conv.messages)
+    use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
+    ids = _encode_conversation(api, messages, conv.tools if use_tools else None, conv)
+    parse_reasoning, starts_in_reasoning = _reasoning_flags(api, conv, ids)
+    forced = forced_opening(conv.tool_choice) if use_tools else ""
+    if forced:
+        ids = ids + _encode_trusted(api, forced)
+        starts_in_reasoning = False  # the turn opens with the call, not a thought
+    fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
+    return Prompt(
+        ids=tuple(ids),
+        max_tokens=fitted,
+        forced_text=forced,
+        parse_tools=use_tools,
+        parse_reasoning=parse_reasoning,
+        starts_in_reasoning=starts_in_reasoning,
+        tool_names=tool_names(conv.tools) if use_tools else (),
+    )
+
+
+def count_chat_tokens(api: ApiContext, conv: Conversation) -> int:
+    """Prompt tokens the conversation uses after the template, tools and forcing included."""
+    messages = join_system(conv.messages)
+    use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
+    ids = _encode_conversation(api, messages, conv.tools if use_tools else None, conv)
+    forced = forced_opening(conv.tool_choice) if use_tools else ""
+    return len(ids) + (len(_encode_trusted(api, forced)) if forced else 0)
+
+
+def text_prompt(api: ApiContext, text: str, max_tokens: Optional[int], param: str = "prompt") -> Prompt:
+    """A plain prompt (Completions): no template; BOS added when the model wants it."""
+    tok = api.tokenizer
+    ids = list(tok.encode(text))
+    bos = getattr(tok, "bos_id", None)
+    if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    if not ids:
+        raise bad_request("prompt must not be empty.", param)
+    fitted = fit_max_tokens(api, len(ids), max_tokens, param)
+    return Prompt(ids=tuple(ids), max_tokens=fitted)
