@@ -1,0 +1,73 @@
+/* mashbox's whole C API: sampling, stop-string matching, prefix-cache block hashes.
+ *
+ * Rules (csrc/ is thin and boring on purpose):
+ * - Flat buffers and lengths in, a status code out (MB_OK or a negative MB_E*); the
+ *   caller owns all memory, nothing is allocated here, nothing is kept between calls.
+ * - Every function has a pure Python reference in mashbox/native_ref.py, which states
+ *   the exact rules (RNG, penalties, filters, integer weights, stop matching, hashes);
+ *   tests/test_native_*.py check that both give the same bits.
+ * - Floating point must follow IEEE double/float exactly: build without -ffast-math and
+ *   with -ffp-contract=off (csrc/build.py), so no FMA changes a rounding.
+ * - Only mashbox/native.py calls these.
+ */
+#ifndef MASHBOX_H
+#define MASHBOX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MB_OK 0
+#define MB_EINVAL (-1)   /* a length, shape or offset is out of range */
+#define MB_ESCRATCH (-2) /* the scratch buffer is smaller than mb_sample_scratch_bytes() */
+
+#define MB_NUM_PARAMS 7 /* temperature, top_p, top_k, min_p, repetition, frequency, presence */
+#define MB_MAX_VOCAB (1 << 19) /* integer weights (2**44 each) must sum below 2**63 */
+
+/* splitmix64: the state for a seed, and one raw draw per entry (state advanced). */
+uint64_t mb_rng_init(uint64_t seed);
+void mb_rng_next(uint64_t *state, int32_t n, uint64_t *out);
+
+/* Bytes of scratch mb_sample needs for this vocab (rows are done one after another, so
+ * it does not depend on the number of rows). */
+size_t mb_sample_scratch_bytes(int32_t vocab);
+
+/* One token per row.
+ * logits:         float[rows * vocab], penalised in place (NaN becomes -inf)
+ * params:         float[rows * MB_NUM_PARAMS]
+ * rng_state:      uint64[rows], one draw taken per row
+ * hist_ids:       int32[hist_offsets[rows]]; row r's history (prompt then generated) is
+ *                 hist_ids[hist_offsets[r] .. hist_offsets[r+1]), ids from index
+ *                 hist_gen_start[r] of it on are generated ones; ids outside [0, vocab)
+ *                 are ignored
+ * hist_offsets:   int32[rows + 1], non-decreasing, from 0
+ * hist_gen_start: int32[rows]
+ * out_ids:        int32[rows]
+ * scratch:        at least mb_sample_scratch_bytes(vocab) bytes, 8-byte aligned */
+int mb_sample(float *logits, int32_t rows, int32_t vocab, const float *params,
+              uint64_t *rng_state, const int32_t *hist_ids, const int32_t *hist_offsets,
+              const int32_t *hist_gen_start, int32_t *out_ids, void *scratch,
+              size_t scratch_bytes);
+
+/* Stop matching on UTF-8 bytes. stops: the stop strings' bytes one after another,
+ * string i at stops[stop_offsets[i] .. stop_offsets[i+1]) (empty ones never match).
+ * buf: held-back bytes then new bytes, len in all; matches ending at or before
+ * scan_from were looked for by an earlier call and are not looked for again.
+ * On a match: *out_stop = its index, *out_emit = where it starts (emit buf[0..emit)).
+ * Otherwise: *out_stop = -1, *out_emit = len minus the longest suffix that is a proper
+ * prefix of some stop (hold buf[emit..len) back). emit never splits a UTF-8 sequence
+ * when buf and the stops are valid UTF-8. */
+int mb_stop_scan(const uint8_t *stops, const int32_t *stop_offsets, int32_t n_stops,
+                 const uint8_t *buf, int32_t len, int32_t scan_from, int32_t *out_emit,
+                 int32_t *out_stop);
+
+/* Chained hashes of the n / block full blocks of ids: out[i] covers ids[0 .. (i+1)*block). */
+int mb_block_hashes(const int32_t *ids, int64_t n, int32_t block, uint64_t *out);
+
+/* The usable slot whose first counts[s] hashes (table row s, uint64[slots * max_blocks])
+ * share the longest run with query[0 .. n_query); ties: fewer counts, then lower slot.
+ * *out_slot = -1, *out_blocks = 0 when no slot is usable. */
+int mb_longest_prefix(const uint64_t *query, int32_t n_query, const uint64_t *table,
+                      int32_t slots, int32_t max_blocks, const int32_t *counts,
+                      const uint8_t *usable, int32_t *out_slot, int32_t *out_blocks);
+
+#endif /* MASHBOX_H */

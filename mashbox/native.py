@@ -1,0 +1,241 @@
+"""The one importer of the C extension `mashbox._native` (built from csrc/ by cffi).
+
+Same functions and classes as `mashbox.native_ref`, whose docstring states the rules.
+When the extension is missing (not built), the reference is used instead and a warning
+is logged; `NATIVE` says which one is loaded (the tests assert it is the C one).
+
+The wrappers check shapes and dtypes (ValueError naming the argument), hand numpy
+buffers to C without copying where they already have the right layout, and keep one
+scratch buffer per vocab size per thread, so nothing is allocated per call on the hot
+path but the small output array.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from mashbox import native_ref
+
+log = logging.getLogger(__name__)
+
+try:
+    from mashbox._native import ffi as _ffi, lib as _lib
+except ImportError as exc:  # the extension was not built: slow but correct
+    _ffi = _lib = None
+    log.warning("mashbox._native is not built (%s); using the pure Python reference", exc)
+
+NATIVE: bool = _lib is not None
+NUM_PARAMS = native_ref.NUM_PARAMS
+MASK64 = native_ref.MASK64
+
+_ERRORS = {-1: "a length, shape or offset is out of range", -2: "scratch buffer too small"}
+
+
+def _check(status: int, fn: str) -> None:
+    if status != 0:
+        raise ValueError(f"{fn}: {_ERRORS.get(status, f'status {status}')}")
+
+
+def _array(a, dtype, name: str, ndim: int, writable: bool = False) -> np.ndarray:
+    """a as a C-contiguous array of dtype; writable ones must already be exactly that."""
+    if writable:
+        if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable):
+            raise ValueError(f"{name} must be a writable C-contiguous {np.dtype(dtype).name} array")
+    else:
+        a = np.ascontiguousarray(a, dtype=dtype)
+    if a.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {a.shape}")
+    return a
+
+
+def _sample_args(logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start):
+    if not (isinstance(logits, np.ndarray) and logits.dtype == np.float32
+            and logits.flags.c_contiguous and logits.flags.writeable):
+        logits = np.array(logits, dtype=np.float32, order="C")  # a copy we may penalise
+    logits = _array(logits, np.float32, "logits", 2, writable=True)
+    rows, vocab = logits.shape
+    params = _array(params, np.float32, "params", 2)
+    if params.shape != (rows, NUM_PARAMS):
+        raise ValueError(f"params must have shape ({rows}, {NUM_PARAMS}), got {params.shape}")
+    rng_state = _array(rng_state, np.uint64, "rng_state", 1, writable=True)
+    if rng_state.shape != (rows,):
+        raise ValueError(f"rng_state must have shape ({rows},), got {rng_state.shape}")
+    hist_ids = _array(hist_ids, np.int32, "hist_ids", 1)
+    hist_offsets = _array(hist_offsets, np.int32, "hist_offsets", 1)
+    if hist_offsets.shape != (rows + 1,):
+        raise ValueError(f"hist_offsets must have shape ({rows + 1},), got {hist_offsets.shape}")
+    if rows and (hist_offsets[0] != 0 or np.any(np.diff(hist_offsets) < 0) or hist_offsets[-1] > len(hist_ids)):
+        raise ValueError("hist_offsets must start at 0, not decrease and end within hist_ids")
+    hist_gen_start = _array(hist_gen_start, np.int32, "hist_gen_start", 1)
+    if hist_gen_start.shape != (rows,):
+        raise ValueError(f"hist_gen_start must have shape ({rows},), got {hist_gen_start.shape}")
+    if vocab < 1 or vocab > native_ref.MAX_VOCAB:
+        raise ValueError(f"logits: vocab must be in [1, {native_ref.MAX_VOCAB}], got {vocab}")
+    return logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start
+
+
+class _Scratch(threading.local):
+    """Per-thread scratch for mb_sample, one buffer per vocab size, made once."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, np.ndarray] = {}
+
+    def get(self, vocab: int) -> np.ndarray:
+        buf = self.buffers.get(vocab)
+        if buf is None:
+            nbytes = int(_lib.mb_sample_scratch_bytes(vocab))
+            buf = np.zeros((nbytes + 7) // 8, dtype=np.uint64)  # uint64: 8-byte aligned
+            self.buffers[vocab] = buf
+        return buf
+
+
+_scratch = _Scratch()
+
+
+def _ptr(ctype: str, a: np.ndarray):
+    return _ffi.cast(ctype, _ffi.from_buffer(a, require_writable=False))
+
+
+def rng_init(seed: int) -> int:
+    """The 64-bit RNG state for a seed (any int, taken mod 2**64)."""
+    if _lib is None:
+        return native_ref.rng_init(seed)
+    return int(_lib.mb_rng_init(int(seed) & MASK64))
+
+
+def rng_next(rng_state: np.ndarray) -> np.ndarray:
+    """One raw 64-bit draw per row; rng_state: uint64[rows], advanced in place."""
+    rng_state = _array(rng_state, np.uint64, "rng_state", 1, writable=True)
+    if _lib is None:
+        return native_ref.rng_next(rng_state)
+    out = np.empty(len(rng_state), dtype=np.uint64)
+    _lib.mb_rng_next(_ptr("uint64_t *", rng_state), len(rng_state), _ptr("uint64_t *", out))
+    return out
+
+
+def sample(
+    logits: np.ndarray,
+    params: np.ndarray,
+    rng_state: np.ndarray,
+    hist_ids: np.ndarray,
+    hist_offsets: np.ndarray,
+    hist_gen_start: np.ndarray,
+) -> np.ndarray:
+    """One token per row: int32[rows]. logits float32[rows, vocab] (penalised in place
+    when it is already C-contiguous float32, else a copy is), params float32[rows, 7]
+    (temperature, top_p, top_k, min_p, repetition, frequency, presence penalties),
+    rng_state uint64[rows] (advanced in place), hist_ids int32[n], hist_offsets
+    int32[rows+1], hist_gen_start int32[rows] (see native_ref for the exact rules)."""
+    args = _sample_args(logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start)
+    if _lib is None:
+        return native_ref.sample(*args)
+    logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start = args
+    rows, vocab = logits.shape
+    out = np.empty(rows, dtype=np.int32)
+    if rows == 0:
+        return out
+    scratch = _scratch.get(vocab)
+    status = _lib.mb_sample(
+        _ptr("float *", logits), rows, vocab, _ptr("float *", params),
+        _ptr("uint64_t *", rng_state), _ptr("int32_t *", hist_ids),
+        _ptr("int32_t *", hist_offsets), _ptr("int32_t *", hist_gen_start),
+        _ptr("int32_t *", out), _ffi.from_buffer(scratch), scratch.nbytes,
+    )
+    _check(status, "sample")
+    return out
+
+
+class StopMatcher:
+    """Incremental stop-string matching with hold-back (rules in native_ref).
+
+    feed(text) -> (text safe to emit, index of the matched stop or -1); after a match
+    the emitted text ends right before the stop and later feeds return ("", index).
+    flush() returns the held-back text when generation ends.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if isinstance(stops, str):
+            raise ValueError("stops must be a sequence of strings, not a string")
+        self.stops = tuple(stops)
+        self.matched = -1
+        if _lib is None:
+            self._ref = native_ref.StopMatcher(self.stops)
+            return
+        self._ref = None
+        encoded = [s.encode("utf-8", "surrogatepass") for s in self.stops]
+        self._stop_bytes = b"".join(encoded)
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+        self._offsets[1:] = np.cumsum([len(e) for e in encoded])
+        self._held = b""
+        self._emit = _ffi.new("int32_t *")
+        self._stop = _ffi.new("int32_t *")
+
+    def feed(self, text: str) -> tuple[str, int]:
+        if self._ref is not None:
+            out = self._ref.feed(text)
+            self.matched = self._ref.matched
+            return out
+        if self.matched >= 0:
+            return "", self.matched
+        if not text:
+            return "", -1
+        buf = self._held + text.encode("utf-8", "surrogatepass")
+        status = _lib.mb_stop_scan(
+            self._stop_bytes, _ptr("int32_t *", self._offsets), len(self.stops),
+            buf, len(buf), len(self._held), self._emit, self._stop,
+        )
+        _check(status, "StopMatcher.feed")
+        emit, stop = self._emit[0], self._stop[0]
+        if stop >= 0:
+            self.matched = stop
+            self._held = b""
+        else:
+            self._held = buf[emit:]
+        return buf[:emit].decode("utf-8", "surrogatepass"), stop
+
+    def flush(self) -> str:
+        if self._ref is not None:
+            return self._ref.flush()
+        held, self._held = self._held, b""
+        return held.decode("utf-8", "surrogatepass")
+
+
+def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
+    """uint64[len(ids) // block]: chained hashes, hash i covers ids[: (i+1)*block]."""
+    ids = _array(ids, np.int32, "ids", 1)
+    if block < 1:
+        raise ValueError("block must be >= 1")
+    if _lib is None:
+        return native_ref.block_hashes(ids, block)
+    out = np.empty(len(ids) // block, dtype=np.uint64)
+    _check(_lib.mb_block_hashes(_ptr("int32_t *", ids), len(ids), block, _ptr("uint64_t *", out)), "block_hashes")
+    return out
+
+
+def longest_prefix(
+    query: np.ndarray, table: np.ndarray, counts: np.ndarray, usable: np.ndarray
+) -> tuple[int, int]:
+    """(slot, matched blocks): the usable slot sharing the most leading block hashes with
+    query; ties go to fewer cached blocks, then the lower slot; (-1, 0) if none usable.
+    query uint64[q], table uint64[slots, max_blocks], counts int32[slots] (valid hashes
+    per row), usable uint8 or bool [slots]."""
+    query = _array(query, np.uint64, "query", 1)
+    table = _array(table, np.uint64, "table", 2)
+    slots, max_blocks = table.shape
+    counts = _array(counts, np.int32, "counts", 1)
+    usable = _array(usable, np.uint8, "usable", 1)
+    if counts.shape != (slots,) or usable.shape != (slots,):
+        raise ValueError(f"counts and usable must have shape ({slots},)")
+    if _lib is None:
+        return native_ref.longest_prefix(query, table, counts, usable)
+    slot = _ffi.new("int32_t *")
+    blocks = _ffi.new("int32_t *")
+    status = _lib.mb_longest_prefix(
+        _ptr("uint64_t *", query), len(query), _ptr("uint64_t *", table), slots, max_blocks,
+        _ptr("int32_t *", counts), _ptr("uint8_t *", usable), slot, blocks,
+    )
+    _check(status, "longest_prefix")
+    return int(slot[0]), int(blocks[0])

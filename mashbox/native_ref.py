@@ -1,0 +1,270 @@
+"""Pure numpy/Python reference of the C extension (csrc/): the definition it must match.
+
+Everything here is written for exactness, not speed: the C code (csrc/sample.c, stop.c,
+prefix.c) must give the same bits, and the parity tests check that it does. The rules
+both follow:
+
+RNG. One 64-bit state per row, advanced by splitmix64 (state += 0x9E3779B97F4A7C15,
+output = mix64(state)). `rng_init(seed)` = mix64(seed + 0x9E3779B97F4A7C15) mod 2**64,
+so nearby seeds start far apart. Every sampled token takes exactly one draw from its own
+row's state (greedy rows included), so a row's tokens depend on its seed alone.
+
+Sampling, per row, on the float32 logits x (modified in place):
+  1. Repetition penalty (HF): each distinct id of the whole history once,
+     x = x / rp if x > 0 else x * rp (float32).
+     Frequency / presence (OpenAI): each distinct generated id once with its count c,
+     x = (x - float32(c) * fp) - pp (float32). NaN logits then become -inf.
+  2. temperature <= 0: argmax, lowest id on ties.
+  3. d = (double(x) - double(max x)) / double(temperature); weights
+     w = exp(d) by our own polynomial (`_exp_neg`, the same float64 operations in C, so
+     the bits agree; libm and numpy's SIMD exp do not agree to the last bit), and the
+     integer weight W = floor(w * 2**44) (0 when d < -40 or not a number; tokens below
+     exp(-30.5) of the top one thus weigh 0 and are never drawn). All later steps work
+     on the integer W, whose sums are exact in any order.
+  4. top_k (1 <= k < tokens with W > 0): keep the k first tokens in the order
+     (x descending, id ascending) -- `_order_keys`.
+  5. top_p (< 1): S = sum W, P = double(top_p) * double(S); walking the same order,
+     a token is kept iff double(sum of W before it) < P (so the first is always kept).
+  6. min_p (> 0): keep iff double(W) >= double(min_p) * 2**44 (the top token has
+     W = 2**44).
+  7. One draw z; target = (z * S) >> 64 with S = sum of the kept W (exact 128-bit
+     product); the token is the first id, in id order, whose running sum of W exceeds
+     target. S == 0 (no finite logit) falls back to the argmax.
+
+Stop strings: the stream stops at the first position where any stop string ends; among
+the stops ending there the one starting earliest (the longest) wins, then the lowest
+index. Text that cannot be part of a future match is emitted at once; the longest
+suffix that is a proper prefix of some stop is held back. Empty stops are ignored.
+
+Prefix hashes: h starts at 0xCBF29CE484222325; for every id (as uint32) in order,
+h = mix64(h + 0x9E3779B97F4A7C15 + id); the hash of block i is h after its last id, so
+it covers ids[:(i+1)*block] and chains every earlier block. `longest_prefix` takes the
+usable slot with the most leading equal hashes; ties go to the slot with fewer cached
+blocks (its cache is worth least), then to the lowest slot index.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+HASH_SEED = 0xCBF29CE484222325
+NUM_PARAMS = 7  # temperature, top_p, top_k, min_p, repetition, frequency, presence
+MAX_VOCAB = 1 << 19
+W_SCALE = 2.0**44  # integer weight of the top token; sums stay < 2**63 for vocab < 2**19
+D_MIN = -40.0  # below this, a token's weight is 0 (it would round to 0 anyway)
+
+# exp(d) for d in [-40, 0]: d = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-13 Taylor
+# polynomial (Horner, relative error < 1e-15), times 2**n. Rounding to the nearest n uses
+# the 1.5*2**52 trick so C and numpy need no rint/floor of their own.
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.6931471803691238  # high bits of ln 2 (n * _LN2_HI is exact for |n| < 2**11)
+_LN2_LO = 1.9082149292705877e-10
+_ROUND = 6755399441055744.0  # 1.5 * 2**52
+_EXP_COEFFS = (  # 1/13!, 1/12!, ..., 1/1!, 1/0! as the C file spells them
+    1.6059043836821613e-10,
+    2.08767569878681e-09,
+    2.505210838544172e-08,
+    2.755731922398589e-07,
+    2.7557319223985893e-06,
+    2.48015873015873e-05,
+    0.0001984126984126984,
+    0.001388888888888889,
+    0.008333333333333333,
+    0.041666666666666664,
+    0.16666666666666666,
+    0.5,
+    1.0,
+    1.0,
+)
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def rng_init(seed: int) -> int:
+    """The 64-bit splitmix64 state for a seed (any Python int; taken mod 2**64)."""
+    return _mix64((int(seed) + GOLDEN) & MASK64)
+
+
+def _rng_next(state: int) -> tuple[int, int]:
+    state = (state + GOLDEN) & MASK64
+    return state, _mix64(state)
+
+
+def rng_next(rng_state: np.ndarray) -> np.ndarray:
+    """One raw 64-bit draw per row; rng_state: uint64[rows], advanced in place."""
+    out = np.empty(len(rng_state), dtype=np.uint64)
+    for r in range(len(rng_state)):
+        s, z = _rng_next(int(rng_state[r]))
+        rng_state[r] = s
+        out[r] = z
+    return out
+
+
+def _exp_neg(d: np.ndarray) -> np.ndarray:
+    """exp(d) for float64 d in [D_MIN, 0], bit-identical to exp_neg() in csrc/sample.c."""
+    n = (d * _LOG2E + _ROUND) - _ROUND
+    r = (d - n * _LN2_HI) - n * _LN2_LO
+    p = np.full_like(d, _EXP_COEFFS[0])
+    for c in _EXP_COEFFS[1:]:
+        p = p * r + c
+    return p * np.ldexp(1.0, n.astype(np.int64))
+
+
+def _order_keys(x: np.ndarray) -> np.ndarray:
+    """uint64 keys whose ascending order is (x descending, id ascending); x float32[V]."""
+    u = (x + np.float32(0.0)).view(np.uint32).astype(np.uint64)  # + 0 turns -0.0 into +0.0
+    neg = (u & 0x80000000) != 0
+    ordered = np.where(neg, (~u) & 0xFFFFFFFF, u | 0x80000000)  # ascending in x
+    return (((~ordered) & 0xFFFFFFFF) << np.uint64(32)) | np.arange(len(x), dtype=np.uint64)
+
+
+def _argmax(x: np.ndarray) -> int:
+    return int(np.argmax(x))  # first maximum: lowest id on ties; x has no NaN here
+
+
+def _penalize(x: np.ndarray, hist: np.ndarray, gen_start: int, rp, fp, pp) -> None:
+    vocab = len(x)
+    if rp != np.float32(1.0):
+        ids = np.unique(hist[(hist >= 0) & (hist < vocab)])
+        v = x[ids]
+        x[ids] = np.where(v > 0, v / rp, v * rp)
+    if fp != np.float32(0.0) or pp != np.float32(0.0):
+        gen = hist[min(max(gen_start, 0), len(hist)):]
+        ids, counts = np.unique(gen[(gen >= 0) & (gen < vocab)], return_counts=True)
+        x[ids] = x[ids] - counts.astype(np.float32) * fp - pp
+
+
+def _sample_row(x: np.ndarray, p: np.ndarray, state: int, hist: np.ndarray, gen_start: int):
+    temperature, top_p, top_k, min_p, rp, fp, pp = (np.float32(v) for v in p)
+    vocab = len(x)
+    _penalize(x, hist, gen_start, rp, fp, pp)
+    x[np.isnan(x)] = -np.inf
+    state, z = _rng_next(state)
+    if not temperature > 0:
+        return _argmax(x), state
+    xmax = float(np.max(x))
+    with np.errstate(all="ignore"):
+        d = (x.astype(np.float64) - xmax) / float(temperature)
+        valid = d >= D_MIN  # False for NaN (inf - inf)
+        w = np.where(valid, _exp_neg(np.where(valid, d, 0.0)), 0.0)
+    weights = (w * W_SCALE).astype(np.int64)  # [V]; truncation = floor, values >= 0
+    pos = np.flatnonzero(weights > 0)
+    if top_k >= 1 and top_k < vocab and int(top_k) < len(pos):
+        keys = _order_keys(x)
+        ranked = pos[np.argsort(keys[pos], kind="stable")]
+        weights[ranked[int(top_k):]] = 0
+        pos = np.flatnonzero(weights > 0)
+    if top_p < 1 and len(pos):
+        total = int(weights[pos].sum())
+        threshold = float(top_p) * float(total)
+        keys = _order_keys(x)
+        ranked = pos[np.argsort(keys[pos], kind="stable")]
+        w_ranked = weights[ranked]
+        before = np.cumsum(w_ranked) - w_ranked  # exact int64
+        weights[ranked[~(before.astype(np.float64) < threshold)]] = 0
+    if min_p > 0:
+        weights[weights.astype(np.float64) < float(min_p) * W_SCALE] = 0
+    total = int(weights.sum())
+    if total == 0:
+        return _argmax(x), state
+    target = (z * total) >> 64
+    running = np.cumsum(weights)
+    return int(np.searchsorted(running, target, side="right")), state
+
+
+def sample(
+    logits: np.ndarray,
+    params: np.ndarray,
+    rng_state: np.ndarray,
+    hist_ids: np.ndarray,
+    hist_offsets: np.ndarray,
+    hist_gen_start: np.ndarray,
+) -> np.ndarray:
+    """One token per row; see the module rules. logits float32[rows, vocab] (penalised
+    in place), params float32[rows, 7], rng_state uint64[rows] (advanced in place),
+    hist_ids int32[n], hist_offsets int32[rows+1], hist_gen_start int32[rows]."""
+    rows = logits.shape[0]
+    out = np.empty(rows, dtype=np.int32)
+    for r in range(rows):
+        hist = hist_ids[int(hist_offsets[r]) : int(hist_offsets[r + 1])]
+        tok, state = _sample_row(logits[r], params[r], int(rng_state[r]), hist, int(hist_gen_start[r]))
+        out[r] = tok
+        rng_state[r] = state
+    return out
+
+
+class StopMatcher:
+    """Incremental stop-string matching with hold-back, on str (see the module rules)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self._live = [(i, s) for i, s in enumerate(self.stops) if s]
+        self._held = ""
+        self.matched = -1
+
+    def feed(self, text: str) -> tuple[str, int]:
+        if self.matched >= 0:
+            return "", self.matched
+        buf = self._held + text
+        for end in range(len(self._held) + 1, len(buf) + 1):
+            best = None  # (start, index)
+            for i, s in self._live:
+                start = end - len(s)
+                if start >= 0 and buf.startswith(s, start):
+                    if best is None or start < best[0]:
+                        best = (start, i)
+            if best is not None:
+                self._held = ""
+                self.matched = best[1]
+                return buf[: best[0]], best[1]
+        hold = 0
+        for n in range(min(len(buf), max((len(s) for _, s in self._live), default=0)), 0, -1):
+            if any(len(s) > n and s.startswith(buf[len(buf) - n :]) for _, s in self._live):
+                hold = n
+                break
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], -1
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
+    """uint64[len(ids) // block]: hash i covers ids[: (i+1)*block]."""
+    if block < 1:
+        raise ValueError("block must be >= 1")
+    n = len(ids) // block
+    out = np.empty(n, dtype=np.uint64)
+    h = HASH_SEED
+    for i in range(n):
+        for t in ids[i * block : (i + 1) * block]:
+            h = _mix64((h + GOLDEN + (int(t) & 0xFFFFFFFF)) & MASK64)
+        out[i] = h
+    return out
+
+
+def longest_prefix(
+    query: np.ndarray, table: np.ndarray, counts: np.ndarray, usable: np.ndarray
+) -> tuple[int, int]:
+    """(slot, matched blocks) over usable slots; (-1, 0) when none is usable."""
+    best = (-1, 0)
+    best_count = 0
+    for s in range(table.shape[0]):
+        if not usable[s]:
+            continue
+        count = int(min(max(int(counts[s]), 0), table.shape[1]))
+        limit = min(len(query), count)
+        m = 0
+        while m < limit and int(table[s, m]) == int(query[m]):
+            m += 1
+        if best[0] < 0 or m > best[1] or (m == best[1] and count < best_count):
+            best, best_count = (s, m), count
+    return best
