@@ -1,0 +1,494 @@
+"""HTTP/1.1 over one connection: an asyncio.Protocol that is httptools' callback object.
+
+Rules:
+- Bytes in go to httptools.HttpRequestParser; its callbacks build one `Request` per
+  message. Finished requests wait in `pipeline` and are answered strictly in order by
+  one task at a time (`_serve`); reading pauses while more than PIPELINE_HIGH requests
+  wait and resumes at PIPELINE_LOW.
+- Limits are checked as bytes arrive: URL > max_url_bytes -> 414, headers >
+  max_header_bytes -> 431, body (Content-Length or chunked total) > max_body_bytes ->
+  413, anything httptools refuses -> 400. A refused request is answered in its turn,
+  then the connection closes ("lingering close": half-close, read and drop what the
+  client still sends for a moment, so the answer is not lost to a reset).
+- Responses carry Content-Length; streams use chunked transfer encoding on HTTP/1.1 and
+  are close-delimited on HTTP/1.0. HEAD gets the same head as GET, without a body.
+- Writing: `pause_writing` / `resume_writing` from the transport set `writing_paused`;
+  writers await `drain()`. Writing that stays paused for slow_reader_timeout_s (a client
+  that reads nothing) aborts the connection.
+- Connection loss cancels the task answering the current request (a handler awaiting
+  the engine, or the SSE pump, which then closes its iterator) and drops the pipeline.
+- Idle keep-alive: a connection with nothing in flight whose next request's head is not
+  complete within keepalive_timeout_s is closed (this also bounds slow headers).
+- One access log line per request (logger mashbox.access): method, path without the
+  query, status, milliseconds, session tag. Never headers, keys or bodies.
+
+State is grouped: global (app, config, loop), per connection (transport, parser,
+pipeline, flow control, timers), per message being parsed (the `_m*` fields).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Optional
+from urllib.parse import unquote
+
+import httptools
+
+from mashbox.config import ServerConfig
+
+from . import sse
+from .request import Request
+from .response import HTTPError, Response, date_cache, encode_headers, status_line
+
+log = logging.getLogger("mashbox.http")
+access_log = logging.getLogger("mashbox.access")
+
+PIPELINE_HIGH = 16  # requests parsed but not answered before reading pauses
+PIPELINE_LOW = 4
+LINGER_S = 2.0  # how long a refused connection drops incoming bytes before closing
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_CRLF = b"\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class _Refuse(Exception):
+    """Raised inside parser callbacks to stop parsing with an HTTP error."""
+
+    def __init__(self, error: HTTPError):
+        super().__init__(error.message)
+        self.error = error
+
+
+def _session_tag(req: Request) -> str:
+    tag = req.session_tag or req.headers.get("x-session-id")
+    if not tag:
+        return ""
+    # Printable and short: the tag comes from the client and must not forge log lines.
+    return " session=" + "".join(c if c.isprintable() and c != " " else "?" for c in tag[:64])
+
+
+class HttpProtocol(asyncio.Protocol):
+    def __init__(self, app, config: ServerConfig, loop: Optional[asyncio.AbstractEventLoop] = None,
+                 connections: Optional[set] = None):
+        """app: has `async handle(Request) -> Response | StreamResponse` and
+        `family_for(path) -> str` (a router.Router). connections: a set this connection
+        adds itself to while open (the server closes them on shutdown)."""
+        # global
+        self.app = app
+        self.config = config
+        self.loop = loop or asyncio.get_event_loop()
+        self.connections = connections
+        # per connection
+        self.transport: Optional[asyncio.Transport] = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.client_addr = None
+        self.local_addr = None
+        self.pipeline: deque[Request] = deque()
+        self.task: Optional[asyncio.Task] = None  # answers pipeline[...] in order
+        self.reading_paused = False
+        self.writing_paused = False
+        self.closed = False
+        self.refused = False  # a refusal is queued: drop further input
+        self._drain_waiter: Optional[asyncio.Future] = None
+        self._slow_timer: Optional[asyncio.TimerHandle] = None
+        self._idle_timer: Optional[asyncio.TimerHandle] = None
+        self._linger_timer: Optional[asyncio.TimerHandle] = None
+        # per message being parsed
+        self._m_url = b""
+        self._m_headers: list[tuple[bytes, bytes]] = []
+        self._m_header_bytes = 0
+        self._m_in_head = False
+        self._m_head_seen = 0
+        self._m_req: Optional[Request] = None
+        self._m_body: list[bytes] = []
+        self._m_body_bytes = 0
+
+    # ---- asyncio.Protocol -------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.client_addr = transport.get_extra_info("peername")
+        self.local_addr = transport.get_extra_info("sockname")
+        if self.connections is not None:
+            self.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.connections is not None:
+            self.connections.discard(self)
+        for t in (self._slow_timer, self._idle_timer, self._linger_timer):
+            if t is not None:
+                t.cancel()
+        self.pipeline.clear()
+        if self._drain_waiter is not None and not self._drain_waiter.done():
+            self._drain_waiter.set_exception(ConnectionResetError("client disconnected"))
+        if self.task is not None and not self.task.done():
+            # Cancels a handler awaiting the engine, or the SSE pump (which closes its
+            # iterator, so the api cancels the engine request).
+            self.task.cancel()
+
+    def eof_received(self) -> Optional[bool]:
+        # A half-closed client gets no more answers (returning None closes the transport).
+        return None
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return  # lingering close: drop what the client still sends
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Upgrade (websocket, h2c) is not offered: the request is answered as a plain
+            # HTTP/1.1 request and the connection closes after it.
+            if self.pipeline:
+                self.pipeline[-1].keep_alive = False
+            self.refused = True
+            return
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            if isinstance(cause, _Refuse):
+                self._refuse(cause.error)
+                return
+            raise
+        except httptools.HttpParserError as e:
+            self._refuse(HTTPError(400, f"Malformed HTTP request: {e.args[0] if e.args else e}"))
+            return
+        if self._m_in_head:
+            # httptools keeps a header line it has not finished; bound what it may hold.
+            self._m_head_seen += len(data)
+            if self._m_head_seen > self.config.max_url_bytes + self.config.max_header_bytes:
+                self._refuse(HTTPError(431, "The request's headers are too large.", code="headers_too_large"))
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+        if self._slow_timer is None:
+            self._slow_timer = self.loop.call_later(self.config.slow_reader_timeout_s, self._cut_slow_reader)
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        if self._slow_timer is not None:
+            self._slow_timer.cancel()
+            self._slow_timer = None
+        w = self._drain_waiter
+        if w is not None:
+            self._drain_waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    # ---- httptools callbacks ----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._m_url = b""
+        self._m_headers = []
+        self._m_header_bytes = 0
+        self._m_in_head = True
+        self._m_head_seen = 0
+        self._m_req = None
+        self._m_body = []
+        self._m_body_bytes = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._m_url += url
+        if len(self._m_url) > self.config.max_url_bytes:
+            raise _Refuse(HTTPError(414, f"The request URL is longer than {self.config.max_url_bytes} bytes.",
+                                    code="uri_too_long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._m_header_bytes += len(name) + len(value) + 4
+        if self._m_header_bytes > self.config.max_header_bytes:
+            raise _Refuse(HTTPError(431, f"The request's headers are larger than {self.config.max_header_bytes} bytes.",
+                                    code="headers_too_large"))
+        self._m_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._m_in_head = False
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        parser = self.parser
+        headers: dict[str, str] = {}
+        for name, value in self._m_headers:
+            k = name.decode("latin-1").lower()
+            v = value.decode("latin-1")
+            old = headers.get(k)
+            headers[k] = v if old is None else old + ", " + v
+        raw_path, query = self._split_url(self._m_url)
+        path = unquote(raw_path) if "%" in raw_path else raw_path
+        req = Request(
+            parser.get_method().decode("ascii"),
+            path,
+            query,
+            headers,
+            b"",
+            self.client_addr,
+            self.local_addr,
+            parser.get_http_version(),
+            parser.should_keep_alive(),
+            raw_path,
+        )
+        self._m_req = req
+        cl = headers.get("content-length")
+        if cl is not None and cl.isdigit() and int(cl) > self.config.max_body_bytes:
+            raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
+                                    code="request_too_large"))
+        if (
+            headers.get("expect", "").lower() == "100-continue"
+            and self.task is None
+            and not self.pipeline
+        ):
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        self._m_body_bytes += len(body)
+        if self._m_body_bytes > self.config.max_body_bytes:
+            raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
+                                    code="request_too_large"))
+        self._m_body.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self._m_req
+        self._m_req = None
+        if self._m_body:
+            req.body = self._m_body[0] if len(self._m_body) == 1 else b"".join(self._m_body)
+            self._m_body = []
+        self._enqueue(req)
+
+    # ---- requests in, answers out -----------------------------------------------------
+
+    @staticmethod
+    def _split_url(url: bytes) -> tuple[str, str]:
+        text = url.decode("latin-1")
+        if not text.startswith("/"):
+            if text == "*":
+                return "*", ""
+            # absolute-form (a proxy-style request): keep the path and query only
+            try:
+                parsed = httptools.parse_url(url)
+            except httptools.HttpParserInvalidURLError:
+                raise _Refuse(HTTPError(400, "The request URL is not valid.")) from None
+            return (parsed.path or b"/").decode("latin-1"), (parsed.query or b"").decode("latin-1")
+        path, _, query = text.partition("?")
+        if "#" in query:
+            query = query.partition("#")[0]
+        elif "#" in path:
+            path = path.partition("#")[0]
+        return path, query
+
+    def _enqueue(self, req: Request) -> None:
+        self.pipeline.append(req)
+        if len(self.pipeline) > PIPELINE_HIGH and not self.reading_paused and not self.refused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+        if self.task is None:
+            self.task = self.loop.create_task(self._serve())
+
+    def _refuse(self, error: HTTPError) -> None:
+        """Answer `error` after the requests before it, then close."""
+        self.refused = True
+        req = self._m_req
+        if req is None:
+            raw_path, _ = ("-", "") if not self._m_url else self._split_url_safe(self._m_url)
+            req = Request("-", raw_path, client_addr=self.client_addr, local_addr=self.local_addr)
+        req.keep_alive = False
+        req.error = error
+        self._m_req = None
+        self._m_in_head = False
+        self._enqueue(req)
+
+    def _split_url_safe(self, url: bytes) -> tuple[str, str]:
+        try:
+            return self._split_url(url)
+        except _Refuse:
+            return "-", ""
+
+    async def _serve(self) -> None:
+        try:
+            while self.pipeline and not self.closed:
+                req = self.pipeline.popleft()
+                if self.reading_paused and len(self.pipeline) <= PIPELINE_LOW and not self.refused:
+                    self.reading_paused = False
+                    self.transport.resume_reading()
+                await self._answer(req)
+                if not req.keep_alive:
+                    self._close(lingering=req.error is not None)
+                    return
+        finally:
+            self.task = None
+        if not self.closed:
+            self._arm_idle()
+
+    async def _answer(self, req: Request) -> None:
+        start = self.loop.time()
+        status = 0
+        try:
+            if req.error is not None:
+                resp = req.error.to_response(self.app.family_for(req.path))
+            else:
+                resp = await self.app.handle(req)
+            status = resp.status
+            if isinstance(resp, Response):
+                self._write_response(req, resp)
+                if self.writing_paused:
+                    await self.drain()
+            elif isinstance(resp, sse.StreamResponse):
+                await self._write_stream(req, resp)
+            else:
+                raise TypeError(f"handler returned {type(resp).__name__}, not Response or StreamResponse")
+        except asyncio.CancelledError:
+            status = status or 499  # the client went away before its answer was written
+            raise
+        except ConnectionError:
+            status = status or 499
+        except Exception:
+            log.exception("failed answering %s %s", req.method, req.raw_path)
+            if status == 0 and not self.closed:
+                # Nothing written yet: a 500 keeps the client from hanging.
+                status = 500
+                req.keep_alive = False
+                err = HTTPError(500, "The server failed while handling this request.")
+                self._write_response(req, err.to_response(self.app.family_for(req.path)))
+            else:
+                req.keep_alive = False
+        finally:
+            if access_log.isEnabledFor(logging.INFO):
+                access_log.info("%s %s %d %.1fms%s", req.method, req.raw_path, status,
+                                (self.loop.time() - start) * 1000.0, _session_tag(req))
+
+    def _head(self, req: Request, status: int, headers: bytes) -> bytes:
+        return b"".join((
+            status_line(status),
+            date_cache.line(),
+            headers,
+            b"" if req.keep_alive else b"connection: close\r\n",
+        ))
+
+    def _write_response(self, req: Request, resp: Response) -> None:
+        if self.closed:
+            return
+        body = resp.body
+        no_body = resp.status in (204, 304) or resp.status < 200
+        length = b"" if no_body else b"content-length: %d\r\n" % len(body)
+        head = self._head(req, resp.status, resp.encoded_headers() + length) + _CRLF
+        if req.method == "HEAD" or no_body or not body:
+            self.transport.write(head)
+        elif len(body) < 16384:
+            self.transport.write(head + body)
+        else:
+            self.transport.writelines((head, body))
+
+    async def _write_stream(self, req: Request, resp: sse.StreamResponse) -> None:
+        events = resp.events
+        if self.closed:
+            await sse.aclose(events)
+            return
+        chunked = req.http_version != "1.0"
+        if not chunked:
+            req.keep_alive = False  # close-delimited
+        pairs = [("content-type", sse.CONTENT_TYPE), ("cache-control", "no-cache"),
+                 ("x-accel-buffering", "no")]
+        if req.keep_alive:
+            pairs.append(("connection", "keep-alive"))
+        if chunked:
+            pairs.append(("transfer-encoding", "chunked"))
+        pairs.extend(resp.headers)
+        self.transport.write(self._head(req, resp.status, encode_headers(pairs)) + _CRLF)
+        if req.method == "HEAD":
+            await sse.aclose(events)
+            return
+        channel = _ChunkedChannel(self) if chunked else _RawChannel(self)
+        st = await sse.pump(events, channel, self.loop, self.config.heartbeat_s)
+        if st.state == "failed":
+            # End without the last chunk: the client sees a broken stream, not a clean end.
+            req.keep_alive = False
+            self._abort()
+        elif chunked and not self.closed:
+            self.transport.write(_LAST_CHUNK)
+            if self.writing_paused:
+                await self.drain()
+
+    async def drain(self) -> None:
+        """Wait until the transport takes writes again (raises if the client is gone)."""
+        if self.closed:
+            raise ConnectionResetError("client disconnected")
+        if not self.writing_paused:
+            return
+        w = self._drain_waiter
+        if w is None:
+            w = self._drain_waiter = self.loop.create_future()
+        await w
+
+    # ---- timers and closing -----------------------------------------------------------
+
+    def _arm_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._idle_timer = self.loop.call_later(self.config.keepalive_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self.task is None and not self.pipeline and not self.closed:
+            self._close()
+
+    def _cut_slow_reader(self) -> None:
+        self._slow_timer = None
+        if self.writing_paused and not self.closed:
+            log.warning("client %s read nothing for %.0f s; closing its connection",
+                        self.client_addr, self.config.slow_reader_timeout_s)
+            self._abort()
+
+    def _close(self, lingering: bool = False) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if lingering and t.can_write_eof():
+            # Send our answer and FIN, keep dropping input for a moment so the client
+            # reads the answer instead of a reset; eof_received or the timer closes.
+            t.write_eof()
+            self._linger_timer = self.loop.call_later(LINGER_S, t.close)
+            if self.reading_paused:
+                self.reading_paused = False
+                t.resume_reading()
+        else:
+            t.close()
+
+    def _abort(self) -> None:
+        t = self.transport
+        if t is not None and not self.closed:
+            t.abort()
+            # uvloop and asyncio call connection_lost soon; do its work now so waiters
+            # and the current task see the loss at once.
+            self.connection_lost(None)
+
+
+class _ChunkedChannel:
+    """sse.Channel over chunked transfer encoding."""
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: HttpProtocol):
+        self.conn = conn
+
+    @property
+    def writing_paused(self) -> bool:
+        return self.conn.writing_paused
+
+    def write_body(self, chunk: bytes) -> None:
+        if not self.conn.closed:
+            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
+
+class _RawChannel(_ChunkedChannel):
+    """sse.Channel for HTTP/1.0: the body ends when the connection closes."""
+
+    __slots__ = ()
+
+    def write_body(self, chunk: bytes) -> None:
+        if not self.conn.closed:
+            self.conn.transport.write(chunk)

@@ -1,0 +1,64 @@
+"""The listening socket: one HttpProtocol per connection, and a clean shutdown.
+
+The caller owns the event loop (api/app.py installs uvloop and runs it). `serve()`
+checks the bind rule (no non-loopback host without keys), listens, and returns a
+`Server` whose `close()` stops listening, closes idle connections and, after a grace
+period, aborts the rest (which cancels their handlers and streams).
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Optional
+
+from mashbox.config import ServerConfig
+
+from .protocol import HttpProtocol
+from .security import check_bind
+
+
+class Server:
+    def __init__(self, app, config: ServerConfig):
+        self.app = app
+        self.config = config
+        self.connections: set[HttpProtocol] = set()
+        self._server: Optional[asyncio.AbstractServer] = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        return self._server.sockets[0].getsockname()[1]
+
+    def _factory(self) -> HttpProtocol:
+        return HttpProtocol(self.app, self.config, self._loop, self.connections)
+
+    async def start(self, sock: Optional[socket.socket] = None) -> "Server":
+        check_bind(self.config.host, self.config.api_keys)
+        self._loop = asyncio.get_running_loop()
+        if sock is not None:
+            self._server = await self._loop.create_server(self._factory, sock=sock, backlog=1024)
+        else:
+            self._server = await self._loop.create_server(
+                self._factory, self.config.host, self.config.port, reuse_address=True, backlog=1024
+            )
+        return self
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self.connections):
+            if conn.task is None and not conn.pipeline:
+                conn._close()
+        deadline = self._loop.time() + grace_s
+        while self.connections and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn._abort()
+        await self._server.wait_closed()
+        self._server = None
+
+
+async def serve(app, config: ServerConfig, sock: Optional[socket.socket] = None) -> Server:
+    """Listen on config.host:config.port (or `sock`) and answer with `app` (a Router)."""
+    return await Server(app, config).start(sock)

@@ -1,0 +1,159 @@
+"""Server-sent event streams: what a handler returns to stream, and the pump that writes it.
+
+Rules:
+- A handler returns `StreamResponse(events)`; `events` is an async iterator of ready
+  SSE frames (bytes, built with `data` / `event` / `DONE`). The protocol writes the
+  head (text/event-stream, no-cache, keep-alive; chunked on HTTP/1.1, close-delimited on
+  HTTP/1.0), then `pump` writes each frame as it comes.
+- Flow control: after each write, while the transport has paused writing, the pump
+  awaits the connection's drain; it never pulls the next frame meanwhile, so a slow
+  client stalls its own generator only. The connection cuts a client whose writing
+  stays paused for ServerConfig.slow_reader_timeout_s (see protocol.py).
+- Heartbeat: `: heartbeat` goes out after heartbeat_s without a frame, and then every
+  heartbeat_s; it is not a frame (it does not count as one) and it is skipped while
+  writing is paused, so it never hides a client that reads nothing.
+- Whatever ends the pump (the events ran out, the generator failed, a disconnect or the
+  slow-reader cut cancelled it), the iterator is closed with `aclose()` so the api's
+  `finally:` cancels the engine request.
+
+Stream states (an illegal transition raises):
+
+    open ──frame──▶ open
+    open ──events exhausted──▶ ended       (the protocol writes the last chunk)
+    open ──generator raised──▶ failed      (the connection is closed unterminated)
+    open ──cancelled──▶ cancelled          (disconnect / slow-reader cut)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable, Optional
+
+import orjson
+
+from .response import Headers, header_pairs
+
+log = logging.getLogger("mashbox.http")
+
+DONE = b"data: [DONE]\n\n"
+HEARTBEAT = b": heartbeat\n\n"
+
+CONTENT_TYPE = "text/event-stream"
+
+
+def data(obj) -> bytes:
+    """`data: {json}\\n\\n` (orjson output has no newlines, so one data line)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def event(name: str, obj) -> bytes:
+    """`event: name\\ndata: {json}\\n\\n`."""
+    if "\n" in name or "\r" in name:
+        raise ValueError(f"SSE event name has a line break: {name!r}")
+    return b"event: " + name.encode("utf-8") + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+class StreamResponse:
+    """A streamed answer: the protocol writes `events` with flow control and heartbeats."""
+
+    __slots__ = ("events", "status", "headers")
+
+    def __init__(self, events: AsyncIterator[bytes], headers: Headers = None, status: int = 200):
+        self.events = events
+        self.status = status
+        self.headers = header_pairs(headers)
+
+    def __repr__(self) -> str:
+        return f"StreamResponse({self.status})"
+
+
+# state -> allowed next states
+TRANSITIONS = {
+    "open": ("open", "ended", "failed", "cancelled"),
+    "ended": (),
+    "failed": (),
+    "cancelled": (),
+}
+
+
+class StreamState:
+    __slots__ = ("state", "frames", "heartbeats")
+
+    def __init__(self):
+        self.state = "open"
+        self.frames = 0
+        self.heartbeats = 0
+
+    def to(self, new: str) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"SSE stream cannot go from {self.state} to {new}")
+        self.state = new
+
+
+class Channel:
+    """What the pump needs from a connection (HttpProtocol implements it)."""
+
+    writing_paused: bool
+
+    def write_body(self, chunk: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+async def aclose(events) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def pump(
+    events: AsyncIterator[bytes],
+    channel: Channel,
+    loop: asyncio.AbstractEventLoop,
+    heartbeat_s: float,
+    on_state: Optional[Callable[[StreamState], None]] = None,
+) -> StreamState:
+    """Write every frame of `events` to `channel`; returns the final state ("ended" or
+    "failed"); raises CancelledError when cancelled. Always closes `events`."""
+    st = StreamState()
+    last_activity = loop.time()
+    timer: Optional[asyncio.TimerHandle] = None
+
+    def beat() -> None:
+        nonlocal timer, last_activity
+        now = loop.time()
+        due = last_activity + heartbeat_s
+        if now >= due - 0.001:
+            if not channel.writing_paused:
+                channel.write_body(HEARTBEAT)
+                st.heartbeats += 1
+            last_activity = now
+            due = now + heartbeat_s
+        timer = loop.call_at(due, beat)
+
+    if heartbeat_s > 0:
+        timer = loop.call_at(last_activity + heartbeat_s, beat)
+    try:
+        async for frame in events:
+            if frame:
+                channel.write_body(frame)
+                st.frames += 1
+                last_activity = loop.time()
+                if channel.writing_paused:
+                    await channel.drain()
+        st.to("ended")
+    except asyncio.CancelledError:
+        st.to("cancelled")
+        raise
+    except Exception:
+        # The api should end its own streams with its error event; reaching here is a
+        # bug upstream. Log it (not the frames) and let the caller close the connection.
+        log.exception("SSE event iterator failed")
+        st.to("failed")
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if on_state is not None:
+            on_state(st)
+        await aclose(events)
+    return st
