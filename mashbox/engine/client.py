@@ -1,0 +1,459 @@
+"""The server side of the engine (no torch): spawns the worker, admits requests, routes events.
+
+Rules:
+- One socket to the worker, framed by frames.py, read with `loop.add_reader` (no thread)
+  and written without blocking (what the socket does not take waits for `add_writer`).
+- A request is *waiting* from submit until the worker says it has a slot (an event with
+  `started`, or its final event). Admission caps count waiting requests only: per tenant
+  (`max_waiting_per_tenant`) and in all (`max_waiting_total`) -> QueueFull(scope).
+- States: "loading" until the worker's ready frame, "ok" after it. When the worker dies,
+  the state goes back to "loading", `restarts` counts it, and a new worker is started.
+  Requests whose handles got no token yet are submitted again to the new worker (once);
+  the others end with a StepEvent(finish_reason="error").
+- A worker that reports a fatal load error is not restarted; `wait_ready` raises
+  EngineStartError with its message.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent
+from mashbox.engine import frames
+
+log = logging.getLogger("mashbox.engine.client")
+
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class NotReady(Exception):
+    """The model is loading (or its worker is restarting)."""
+
+
+class QueueFull(Exception):
+    def __init__(self, scope: str) -> None:
+        super().__init__(f"too many requests waiting ({scope})")
+        self.scope = scope  # "tenant" | "total"
+
+
+class EngineStartError(Exception):
+    """The worker could not load the model; the message says why."""
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Seconds; reported as cumulative bucket counts the way Prometheus wants them."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        i = 0
+        while i < len(self.buckets) and v > self.buckets[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def to_dict(self) -> dict:
+        cum, out = 0, []
+        for le, c in zip(self.buckets, self.counts):
+            cum += c
+            out.append([le, cum])
+        return {"buckets": out, "sum": self.sum, "count": self.count}
+
+
+# -- one request ----------------------------------------------------------------------------
+
+
+class RequestHandle:
+    """`async for ev in handle` yields StepEvents, the last one with finish_reason."""
+
+    def __init__(self, client: "EngineClient", req: GenerationRequest) -> None:
+        self._client = client
+        self.req = req
+        self.id = req.id
+        self.tenant = req.tenant
+        self.waiting = True  # no slot yet
+        self.finished = False  # the final event was queued
+        self.sent = False  # the worker has it
+        self.resubmitted = False
+        self.cancel_requested = False
+        self.got_tokens = False
+        self.t_submit = time.perf_counter()
+        self.t_first_token: Optional[float] = None
+        self._events: collections.deque[StepEvent] = collections.deque()
+        self._wake = asyncio.Event()
+        self._closed = False  # the consumer saw the final event
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> StepEvent:
+        while not self._events:
+            if self._closed:
+                raise StopAsyncIteration
+            self._wake.clear()
+            await self._wake.wait()
+        ev = self._events.popleft()
+        if ev.finish_reason is not None:
+            self._closed = True
+        return ev
+
+    def cancel(self) -> None:
+        """Idempotent; the final event (finish_reason "cancelled") still comes."""
+        self._client._cancel(self)
+
+    def _push(self, ev: StepEvent) -> None:
+        self._events.append(ev)
+        self._wake.set()
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+class EngineClient:
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
+                 *, restart: bool = True) -> None:
+        self.engine_config = engine_config
+        self.server_config = server_config
+        self.restart_on_exit = restart
+        self.state = "loading"
+        self.info: dict = {}
+        self.restarts = 0
+        self.error: Optional[str] = None  # a fatal load error
+        self._handles: dict[str, RequestHandle] = {}
+        self._waiting_by_tenant: collections.Counter[str] = collections.Counter()
+        self._waiting_total = 0
+        self._proc: Optional[asyncio.subprocess.Process] = None
+        self._sock: Optional[socket.socket] = None
+        self._reader: Optional[frames.FrameReader] = None
+        self._out = bytearray()
+        self._gen = 0  # which worker generation the socket belongs to
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._fails_before_ready = 0
+        self._tasks: set[asyncio.Task] = set()
+        # metrics
+        self.finished_by_reason: collections.Counter[str] = collections.Counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self._worker_counters: dict = {}
+        self._counter_base: collections.Counter[str] = collections.Counter()
+        self.h_ttft = Histogram(TTFT_BUCKETS)
+        self.h_queue = Histogram(QUEUE_BUCKETS)
+        self.h_e2e = Histogram(E2E_BUCKETS)
+        self.h_tpot = Histogram(TPOT_BUCKETS)
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    @property
+    def worker_pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        """Spawn the worker; returns at once (state "loading"); see wait_ready."""
+        self._stopping = False
+        await self._spawn()
+
+    async def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Until the state is "ok"; raises EngineStartError if the model cannot load."""
+        async def _wait():
+            while self.state != "ok":
+                if self.error is not None:
+                    raise EngineStartError(self.error)
+                self._ready.clear()
+                await self._ready.wait()
+        await asyncio.wait_for(_wait(), timeout)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for h in list(self._handles.values()):
+            self._end_locally(h, "cancelled", None)
+        proc = self._proc
+        if self._sock is not None:
+            self._send({"op": "shutdown"})
+            self._flush()
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                log.warning("worker %d did not stop; killing it", proc.pid)
+                proc.kill()
+                await proc.wait()
+        self._close_socket()
+        for t in list(self._tasks):
+            t.cancel()
+        self.state = "loading"
+
+    async def _spawn(self) -> None:
+        parent, child = socket.socketpair()
+        parent.setblocking(False)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mashbox.engine.worker", "--fd", str(child.fileno()),
+                pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL, env=env,
+            )
+        finally:
+            child.close()
+        self._gen += 1
+        gen = self._gen
+        self._sock = parent
+        self._reader = frames.FrameReader()
+        self._out = bytearray()
+        asyncio.get_running_loop().add_reader(parent.fileno(), self._on_readable, gen)
+        log.info("engine worker started (pid %d)", self._proc.pid)
+        self._send({"op": "start", "config": dataclasses.asdict(self.engine_config)})
+
+    def _close_socket(self) -> None:
+        if self._sock is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._sock.fileno())
+        loop.remove_writer(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+
+    # -- requests -----------------------------------------------------------------------
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        if self.state != "ok":
+            raise NotReady()
+        if req.id in self._handles:
+            raise ValueError(f"request id {req.id!r} is already running")
+        sc = self.server_config
+        if self._waiting_by_tenant[req.tenant] >= sc.max_waiting_per_tenant:
+            raise QueueFull("tenant")
+        if self._waiting_total >= sc.max_waiting_total:
+            raise QueueFull("total")
+        h = RequestHandle(self, req)
+        self._handles[req.id] = h
+        self._waiting_by_tenant[req.tenant] += 1
+        self._waiting_total += 1
+        self._send({"op": "submit", "req": req.to_wire()})
+        h.sent = True
+        return h
+
+    def _cancel(self, h: RequestHandle) -> None:
+        if h.finished or h.cancel_requested:
+            return
+        h.cancel_requested = True
+        if self.state == "ok" and h.sent:
+            self._send({"op": "cancel", "id": h.id})
+        else:  # the worker does not have it (restarting): end it here
+            self._end_locally(h, "cancelled", None)
+
+    def _not_waiting(self, h: RequestHandle) -> None:
+        if h.waiting:
+            h.waiting = False
+            self._waiting_by_tenant[h.tenant] -= 1
+            if not self._waiting_by_tenant[h.tenant]:
+                del self._waiting_by_tenant[h.tenant]
+            self._waiting_total -= 1
+
+    def _end_locally(self, h: RequestHandle, reason: str, error: Optional[str]) -> None:
+        self._deliver(StepEvent(id=h.id, finish_reason=reason, error=error,
+                                prompt_tokens=len(h.req.prompt_ids)))
+
+    def _deliver(self, ev: StepEvent) -> None:
+        h = self._handles.get(ev.id)
+        if h is None or h.finished:
+            return
+        now = time.perf_counter()
+        if ev.started or ev.finish_reason is not None:
+            self._not_waiting(h)
+        if ev.token_ids:
+            h.got_tokens = True
+            self.generated_tokens += len(ev.token_ids)
+            if h.t_first_token is None:
+                h.t_first_token = now
+                self.h_ttft.observe(now - h.t_submit)
+        if ev.finish_reason is not None:
+            h.finished = True
+            del self._handles[ev.id]
+            self.finished_by_reason[ev.finish_reason] += 1
+            self.prompt_tokens += ev.prompt_tokens
+            self.h_e2e.observe(now - h.t_submit)
+            t = ev.timings
+            if t is not None:
+                self.h_queue.observe(t.queue_ms / 1e3)
+                if t.predicted_n > 1:
+                    self.h_tpot.observe(t.predicted_ms / 1e3 / (t.predicted_n - 1))
+        h._push(ev)
+
+    # -- the pipe -----------------------------------------------------------------------
+
+    def _send(self, obj) -> None:
+        if self._sock is None:
+            return
+        self._out += frames.encode(obj)
+        self._flush()
+
+    def _flush(self) -> None:
+        sock = self._sock
+        if sock is None or not self._out:
+            return
+        try:
+            n = sock.send(self._out)
+        except BlockingIOError:
+            n = 0
+        except OSError as e:
+            log.warning("engine pipe write failed: %s", e)
+            self._worker_gone(self._gen)
+            return
+        del self._out[:n]
+        loop = asyncio.get_running_loop()
+        if self._out:
+            loop.add_writer(sock.fileno(), self._flush)
+        else:
+            loop.remove_writer(sock.fileno())
+
+    def _on_readable(self, gen: int) -> None:
+        if gen != self._gen or self._sock is None:
+            return
+        while True:
+            try:
+                data = self._sock.recv(1 << 20)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                log.warning("engine pipe read failed: %s", e)
+                data = b""
+            if not data:
+                self._worker_gone(gen)
+                return
+            try:
+                got = self._reader.feed(data)
+            except (frames.FrameError, ValueError) as e:
+                log.error("bad frame from the worker: %s", e)
+                self._kill_worker()
+                self._worker_gone(gen)
+                return
+            for f in got:
+                self._on_frame(f)
+
+    def _on_frame(self, f: dict) -> None:
+        op = f.get("op")
+        if op == "events":
+            for d in f["events"]:
+                self._deliver(StepEvent.from_wire(d))
+            self._worker_counters = f.get("counters", self._worker_counters)
+        elif op == "ready":
+            self.info = f["info"]
+            self.state = "ok"
+            self._fails_before_ready = 0
+            log.info("engine ready: %s", self.info)
+            for h in self._handles.values():
+                if not h.sent:
+                    self._send({"op": "submit", "req": h.req.to_wire()})
+                    h.sent = True
+            self._ready.set()
+        elif op == "fatal":
+            self.error = f.get("message", "the worker failed to load the model")
+            log.error("engine worker failed: %s", self.error)
+            self._ready.set()
+        else:
+            log.error("unknown frame op from the worker: %r", op)
+
+    def _kill_worker(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+
+    def _worker_gone(self, gen: int) -> None:
+        if gen != self._gen or self._sock is None:
+            return
+        self._close_socket()
+        was_ready = self.state == "ok"
+        self.state = "loading"
+        for k, v in self._worker_counters.items():
+            self._counter_base[k] += v
+        self._worker_counters = {}
+        if self._stopping:
+            return
+        if not was_ready:
+            self._fails_before_ready += 1
+        for h in list(self._handles.values()):
+            if self.error is None and not h.got_tokens and not h.resubmitted and not h.cancel_requested:
+                h.resubmitted, h.sent = True, False  # goes to the next worker when it is ready
+                if not h.waiting:
+                    h.waiting = True
+                    self._waiting_by_tenant[h.tenant] += 1
+                    self._waiting_total += 1
+            elif h.cancel_requested:
+                self._end_locally(h, "cancelled", None)
+            else:
+                self._end_locally(h, "error", "the engine worker stopped")
+        log.error("engine worker exited%s", "" if self.error is None else f": {self.error}")
+        task = asyncio.get_running_loop().create_task(self._reap_and_restart())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reap_and_restart(self) -> None:
+        proc = self._proc
+        if proc is not None:
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except asyncio.TimeoutError:
+                proc.kill()
+                await proc.wait()
+            log.warning("engine worker %d exited with %s", proc.pid, proc.returncode)
+        if self._stopping or not self.restart_on_exit or self.error is not None:
+            self._ready.set()
+            return
+        delay = min(0.5 * (2 ** max(self._fails_before_ready - 1, 0)), 10.0) if self._fails_before_ready else 0.0
+        if delay:
+            await asyncio.sleep(delay)
+        self.restarts += 1
+        await self._spawn()
+
+    # -- stats --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        counters = collections.Counter(self._counter_base)
+        for k, v in self._worker_counters.items():
+            counters[k] += v
+        running = sum(1 for h in self._handles.values() if not h.waiting)
+        slots = int(self.info.get("slots", self.engine_config.slots))
+        return {
+            "state": self.state,
+            "running": running,
+            "waiting": self._waiting_total,
+            "slots": slots,
+            "slots_used": running,
+            "kv_cache_usage": running / slots if slots else 0.0,
+            "ctx": int(self.info.get("ctx", self.engine_config.ctx or 0)),
+            "worker_pid": self.worker_pid,
+            "worker_restarts": self.restarts,
+            "requests_finished": dict(self.finished_by_reason),
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefix_cache_lookups": counters.get("prefix_lookups", 0),
+            "prefix_cache_hits": counters.get("prefix_hits", 0),
+            "prefix_cache_hit_tokens": counters.get("prefix_hit_tokens", 0),
+            "preemptions": 0,
+            "histograms": {
+                "time_to_first_token_seconds": self.h_ttft.to_dict(),
+                "queue_time_seconds": self.h_queue.to_dict(),
+                "e2e_request_latency_seconds": self.h_e2e.to_dict(),
+                "time_per_output_token_seconds": self.h_tpot.to_dict(),
+            },
+        }

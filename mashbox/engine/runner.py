@@ -1,0 +1,164 @@
+"""Runs a step plan: plan rows -> model Batch -> Decoder.forward -> logits -> native.sample.
+
+All tensor work of the engine lives here. Buffers are made once at start:
+- input ids / positions: int64[max_step_tokens], filled by slicing (no per-step tensors
+  on the host; on CUDA one copy each to device buffers of the same size);
+- sampling params float32[slots, 7] and RNG states uint64[slots], one row per slot, set
+  when a request is admitted into the slot, so a row's draws depend on its own seed only;
+- the KV cache [layers, slots, kv_heads, ctx, head_dim] (model.kv_cache.KVCache).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from mashbox import native
+from mashbox.config import EngineConfig, SamplingParams
+from mashbox.engine.scheduler import StepPlan
+from mashbox.model import decoder as decoder_mod
+from mashbox.model import kv_cache as kv_cache_mod
+from mashbox.model import loader
+
+log = logging.getLogger("mashbox.engine.runner")
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+
+
+def sampling_row(p: SamplingParams) -> tuple[float, ...]:
+    """The 7 float32 columns native.sample reads for one row."""
+    return (
+        p.temperature,
+        p.top_p,
+        float(p.top_k),
+        p.min_p,
+        p.repetition_penalty,
+        p.frequency_penalty,
+        p.presence_penalty,
+    )
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class Runner:
+    def __init__(self, cfg: EngineConfig) -> None:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, cfg.dtype)
+        t0 = time.perf_counter()
+        weights = loader.load(cfg.model_path, self.dtype, self.device)
+        self.model_config = mc = weights.config
+        self.weights_file = weights.weights_file
+        self.bpw = float(weights.bpw)
+        # bytes of weights in device memory; the decode step reads each of them once
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        if mc.tie_word_embeddings and "lm_head.weight" not in weights.tensors:
+            # the embedding is read twice per step: one row gathered, all of it as lm_head
+            self.read_bytes_per_step = self.weight_bytes
+        else:
+            emb = weights.tensors.get("model.embed_tokens.weight")
+            emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
+            self.read_bytes_per_step = self.weight_bytes - emb_bytes  # embedding: a gather
+        self.ctx = int(cfg.ctx or mc.max_position_embeddings)
+        if cfg.ctx and cfg.ctx > mc.max_position_embeddings:
+            log.warning("ctx %d is larger than the model's trained length %d",
+                        cfg.ctx, mc.max_position_embeddings)
+        self.num_slots = cfg.slots
+        self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device)
+        del weights
+        self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
+        log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots",
+                 time.perf_counter() - t0, mc.arch, self.dtype, self.device, self.ctx, cfg.slots)
+
+        # the scheduler never plans more than max(prefill_chunk, decode rows + 1) tokens
+        self.max_tokens = cfg.prefill_chunk + cfg.slots
+        self._ids_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
+        self._pos_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
+        self._ids_host = torch.from_numpy(self._ids_np)
+        self._pos_host = torch.from_numpy(self._pos_np)
+        if self.device.type == "cpu":
+            self._ids_dev, self._pos_dev = self._ids_host, self._pos_host
+        else:
+            self._ids_dev = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+            self._pos_dev = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+        self.params = np.zeros((cfg.slots, 7), dtype=np.float32)  # [slots, 7]
+        self.rng = np.zeros(cfg.slots, dtype=np.uint64)  # [slots]
+        self.penalties = np.zeros(cfg.slots, dtype=bool)  # [slots]
+        self.num_prompt = np.zeros(cfg.slots, dtype=np.int32)  # [slots]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def admit(self, slot: int, sampling: SamplingParams, num_prompt: int) -> None:
+        """A request took `slot`: its sampling params and a fresh RNG from its seed."""
+        self.params[slot] = sampling_row(sampling)
+        self.rng[slot] = np.uint64(native.rng_init(sampling.seed))
+        self.penalties[slot] = _uses_penalties(sampling)
+        self.num_prompt[slot] = num_prompt
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, slot_tokens: np.ndarray) -> list[int]:
+        """Run one step; returns the sampled ids of the plan's rows with `sample`, in order.
+
+        slot_tokens: int32[slots, ctx+1], the SlotTable's tokens (penalty histories).
+        """
+        rows = plan.rows
+        if plan.num_tokens > self.max_tokens:
+            raise RuntimeError(f"step of {plan.num_tokens} tokens exceeds the buffers ({self.max_tokens})")
+        T = 0
+        for row in rows:
+            n = len(row.token_ids)
+            self._ids_np[T : T + n] = row.token_ids
+            self._pos_np[T : T + n] = np.arange(row.start, row.start + n)
+            T += n
+        if self._ids_dev is not self._ids_host:
+            self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
+            self._pos_dev[:T].copy_(self._pos_host[:T], non_blocking=True)
+        batch = decoder_mod.Batch(
+            input_ids=self._ids_dev[:T],
+            positions=self._pos_dev[:T],
+            row_slots=[row.slot for row in rows],
+            row_starts=[row.start for row in rows],
+            row_lens=[len(row.token_ids) for row in rows],
+        )
+        logits = self.decoder.forward(batch, self.cache)  # [rows, vocab] float32
+        pick = [i for i, row in enumerate(rows) if row.sample]
+        if not pick:
+            return []
+        slots = [rows[i].slot for i in pick]
+        if len(pick) != len(rows):
+            logits = logits[pick]
+        logits_np = np.ascontiguousarray(logits.float().cpu().numpy())  # [n, vocab]
+        # a row's penalty history: its prompt + the ids sampled before this step
+        hist_lens = [len(rows[i].request.token_ids) for i in pick]
+        return self.sample(logits_np, slots, slot_tokens, hist_lens)
+
+    def sample(self, logits: np.ndarray, slots: list[int], slot_tokens: np.ndarray,
+               hist_lens: list[int]) -> list[int]:
+        """logits: float32[n, vocab] for the rows of `slots`; slot_tokens[s, :hist_lens[i]]
+        is row i's history (prompt then generated ids)."""
+        n = len(slots)
+        params = self.params[slots]  # [n, 7]
+        rng = self.rng[slots]  # [n]
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        gen_start = np.zeros(n, dtype=np.int32)
+        hist = _EMPTY_I32
+        if self.penalties[slots].any():
+            parts = []
+            for i, s in enumerate(slots):
+                if self.penalties[s]:
+                    length = hist_lens[i]
+                    parts.append(slot_tokens[s, :length])
+                    gen_start[i] = self.num_prompt[s]
+                    offsets[i + 1] = offsets[i] + length
+                else:
+                    offsets[i + 1] = offsets[i]
+            hist = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
+        out = native.sample(logits, params, rng, hist, offsets, gen_start)
+        self.rng[slots] = rng
+        return [int(t) for t in out]
