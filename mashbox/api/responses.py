@@ -402,7 +402,7 @@ def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
 def usage_block(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
