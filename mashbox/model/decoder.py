@@ -1,0 +1,309 @@
+"""Decoder: the forward pass of a Llama / Mistral / Qwen2 / Qwen3 decoder over a varlen batch.
+
+Rules:
+- One code path for all four architectures; config flags select the differences
+  (qk_norm, attention biases, tied embeddings, rope scaling, sliding window).
+- A Batch is a flattened varlen batch: rows (one per slot) of new tokens, concatenated.
+  A row is either a prefill chunk (row_len > 1, maybe continuing an earlier chunk) or a
+  single-token decode; rows sit at different positions in different slots.
+- forward() writes each new token's K/V into its slot at its position, attends over the
+  slot's cache [0, row_start + row_len), and returns float32 logits of each row's last
+  token only: the output head never runs on the other prefill tokens.
+- Weights are fused at construction: q|k|v into one matrix, gate|up into one. The
+  Decoder takes ownership of the `tensors` dict and empties it, so the unfused copies
+  are freed as the fused ones are built (one layer at a time).
+- GQA never materialises repeated K/V: a decode row's q is viewed as
+  [kv_heads, group, head_dim] against the slot's [kv_heads, L, head_dim] keys; prefill
+  uses SDPA's enable_gqa.
+- Decode rows whose slots are all distinct attend in one batched SDPA call over a view of
+  the slot range they cover (padded keys masked), so batch-8 decode costs one attention
+  call per layer, not eight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
+from mashbox.model.errors import ModelError
+from mashbox.model.kv_cache import KVCache
+from mashbox.model.model_config import ModelConfig
+from mashbox.model.rope import RopeTable
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T] int64, the new tokens of all rows concatenated
+    positions: torch.Tensor  # [T] int64, each token's position in its slot
+    row_slots: list[int]  # [rows] the KV slot of each row
+    row_starts: list[int]  # [rows] tokens already in the slot = position of the row's first token
+    row_lens: list[int]  # [rows] new tokens of the row (1 = decode)
+
+    @classmethod
+    def build(cls, rows: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "Batch":
+        """From (slot, start, new token ids) per row; a convenience for callers and tests."""
+        ids: list[int] = []
+        pos: list[int] = []
+        for _, start, toks in rows:
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+        return cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            row_slots=[r[0] for r in rows],
+            row_starts=[r[1] for r in rows],
+            row_lens=[len(r[2]) for r in rows],
+        )
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: Optional[torch.Tensor]  # [q_size + 2 * kv_size]
+    qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
+    o: torch.Tensor  # [hidden, q_size]
+    o_bias: Optional[torch.Tensor]  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+class Decoder:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+        take = _Taker(tensors, dtype, self.device)
+        self.embed = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.lm_head = (self.embed if c.tie_word_embeddings
+                        else take("lm_head.weight", (c.vocab_size, c.hidden_size)))
+        self.norm = take("model.norm.weight", (c.hidden_size,))
+        qkv_rows = c.q_size + 2 * c.kv_size
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
+                             take(a + "k_proj.weight", (c.kv_size, c.hidden_size)),
+                             take(a + "v_proj.weight", (c.kv_size, c.hidden_size))])
+            qkv_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([take(a + "q_proj.bias", (c.q_size,)),
+                                      take(a + "k_proj.bias", (c.kv_size,)),
+                                      take(a + "v_proj.bias", (c.kv_size,))])
+            qk_norm = None
+            if c.qk_norm:
+                qk_norm = torch.cat([take(a + "q_norm.weight", (c.head_dim,)).expand(c.num_heads, -1),
+                                     take(a + "k_norm.weight", (c.head_dim,)).expand(c.num_kv_heads, -1)])
+            o_bias = take.optional(a + "o_proj.bias", (c.hidden_size,))
+            m = p + "mlp."
+            gate_up = torch.cat([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                                 take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
+            self.layers.append(_Layer(
+                input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+                qkv=qkv.reshape(qkv_rows, c.hidden_size),
+                qkv_bias=qkv_bias,
+                qk_norm=qk_norm,
+                o=take(a + "o_proj.weight", (c.hidden_size, c.q_size)),
+                o_bias=o_bias,
+                post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+                gate_up=gate_up,
+                down=take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size)),
+            ))
+        take.finish()
+        self._rope: Optional[RopeTable] = None
+
+    def _rope_table(self, length: int) -> RopeTable:
+        if self._rope is None or self._rope.length < length:
+            self._rope = RopeTable(self.config, length, self.dtype, self.device)
+        return self._rope
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
+        c = self.config
+        T = batch.input_ids.shape[0]
+        plan = _Plan(batch, cache, c, self.device)
+        rope = self._rope_table(cache.ctx)
+        cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+        sin = rope.sin[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+        H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+        eps = c.rms_norm_eps
+        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        attn = torch.empty(T, c.q_size, dtype=self.dtype, device=self.device)  # [T, heads * head_dim]
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
+            qk = qkv[:, : c.q_size + c.kv_size].view(T, H + KV, D)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
+            qk = rope.apply(qk, cos, sin)  # [T, heads + kv_heads, head_dim]
+            q = qk[:, :H]  # [T, heads, head_dim]
+            k = qk[:, H:]  # [T, kv_heads, head_dim]
+            v = qkv[:, c.q_size + c.kv_size:].view(T, KV, D)
+            k_cache = cache.k[li]  # [slots, kv_heads, ctx, head_dim]
+            v_cache = cache.v[li]
+            k_cache[plan.token_slots, :, batch.positions] = k
+            v_cache[plan.token_slots, :, batch.positions] = v
+            plan.attend(q, k_cache, v_cache, attn)
+            x = x + F.linear(attn, layer.o, layer.o_bias)
+            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        last = x[plan.last_tokens]  # [rows, hidden]
+        last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
+        return F.linear(last, self.lm_head).float()  # [rows, vocab]
+
+    __call__ = forward
+
+
+class _Plan:
+    """One forward's attention plan: index tensors and masks shared by every layer."""
+
+    def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, device: torch.device):
+        rows = len(batch.row_slots)
+        if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
+            raise ValueError("batch rows: row_slots, row_starts and row_lens must be non-empty and equal in length")
+        T = int(batch.input_ids.shape[0])
+        if sum(batch.row_lens) != T or batch.positions.shape[0] != T:
+            raise ValueError("batch: sum(row_lens) must equal len(input_ids) and len(positions)")
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.group = c.num_heads // c.num_kv_heads
+        window = c.sliding_window
+        token_slots: list[int] = []
+        last: list[int] = []
+        self.window = window
+        # (t0, n, slot, first key, end key, mask [n, end - first] or None for plain causal)
+        self.prefills: list[tuple[int, int, int, int, int, Optional[torch.Tensor]]] = []
+        decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
+        t0 = 0
+        for slot, start, n in zip(batch.row_slots, batch.row_starts, batch.row_lens):
+            if n < 1 or start < 0 or start + n > cache.ctx or not 0 <= slot < cache.slots:
+                raise ValueError(f"batch row (slot {slot}, start {start}, len {n}) does not fit the cache "
+                                 f"({cache.slots} slots of {cache.ctx})")
+            token_slots.extend([slot] * n)
+            last.append(t0 + n - 1)
+            end = start + n
+            if n == 1:
+                decodes.append((t0, slot, end))
+            else:
+                lo = 0 if window is None else max(0, start + 1 - window)
+                mask = None
+                if start > 0 or lo > 0:
+                    qpos = torch.arange(start, end, device=device).unsqueeze(1)  # [n, 1]
+                    kpos = torch.arange(lo, end, device=device).unsqueeze(0)  # [1, L]
+                    mask = kpos <= qpos  # [n, L]
+                    if window is not None:
+                        mask &= kpos > qpos - window
+                elif window is not None and n > window:
+                    qpos = torch.arange(0, n, device=device).unsqueeze(1)
+                    kpos = torch.arange(0, n, device=device).unsqueeze(0)
+                    mask = (kpos <= qpos) & (kpos > qpos - window)
+                self.prefills.append((t0, n, slot, lo, end, mask))
+            t0 += n
+        self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
+        self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
+        self._plan_decodes(decodes, window, device)
+
+    def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int],
+                      device: torch.device) -> None:
+        """Batch the decode rows when their slots are distinct and cover a compact range."""
+        self.decodes = decodes
+        self.batched = None
+        if len(decodes) < 2:
+            return
+        slots = [d[1] for d in decodes]
+        lo_slot, hi_slot = min(slots), max(slots) + 1
+        if len(set(slots)) != len(slots) or hi_slot - lo_slot > 2 * len(slots):
+            return
+        lengths = [d[2] for d in decodes]
+        kv_len = max(lengths)
+        kv_lo = 0 if window is None else max(0, min(lengths) - window)
+        span = hi_slot - lo_slot
+        # [span, 1, 1, kv_len - kv_lo] True where a slot's row may attend; slots in the
+        # range without a row attend to key 0 only (their output is dropped).
+        kpos = torch.arange(kv_lo, kv_len, device=device)
+        limit = torch.full((span,), 1 + kv_lo, dtype=torch.int64)
+        start = torch.full((span,), kv_lo, dtype=torch.int64)
+        for _, slot, length in decodes:
+            limit[slot - lo_slot] = length
+            if window is not None:
+                start[slot - lo_slot] = max(0, length - window)
+        limit, start = limit.to(device), start.to(device)
+        mask = (kpos < limit.unsqueeze(1)) & (kpos >= start.unsqueeze(1))
+        token_index = torch.full((span,), -1, dtype=torch.int64)
+        for t, slot, _ in decodes:
+            token_index[slot - lo_slot] = t
+        present = token_index >= 0
+        self.batched = (
+            lo_slot, hi_slot, kv_lo, kv_len,
+            mask.view(span, 1, 1, kv_len - kv_lo),
+            token_index.clamp(min=0).to(device),  # [span] the token of each slot in range
+            torch.nonzero(present).flatten().to(device),  # [decodes] range index of each row
+            token_index[present].to(device),  # [decodes] their tokens
+        )
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """q [T, heads, head_dim]; caches [slots, kv_heads, ctx, head_dim]; out [T, heads*head_dim]."""
+        KV, G, D = self.kv_heads, self.group, self.head_dim
+        for t0, n, slot, lo, end_len, mask in self.prefills:
+            qr = q[t0:t0 + n].transpose(0, 1)  # [heads, n, head_dim]
+            kr = k_cache[slot, :, lo:end_len]  # [kv_heads, L, head_dim]
+            vr = v_cache[slot, :, lo:end_len]
+            o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=G > 1)  # [heads, n, head_dim]
+            out[t0:t0 + n] = o.transpose(0, 1).reshape(n, -1)
+        if self.batched is not None:
+            lo_slot, hi_slot, kv_lo, kv_len, mask, token_of_slot, rows_in_range, row_tokens = self.batched
+            span = hi_slot - lo_slot
+            qb = q[token_of_slot].view(span, KV, G, D)  # [span, kv_heads, group, head_dim]
+            kb = k_cache[lo_slot:hi_slot, :, kv_lo:kv_len]  # [span, kv_heads, L, head_dim] (a view)
+            vb = v_cache[lo_slot:hi_slot, :, kv_lo:kv_len]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [span, kv_heads, group, head_dim]
+            out[row_tokens] = o[rows_in_range].reshape(-1, KV * G * D)
+            return
+        for t, slot, length in self.decodes:
+            lo = self._decode_lo(length)
+            qr = q[t].view(KV, G, D)
+            o = F.scaled_dot_product_attention(qr, k_cache[slot, :, lo:length], v_cache[slot, :, lo:length])
+            out[t] = o.reshape(-1)
+
+    def _decode_lo(self, length: int) -> int:
+        return 0 if self.window is None else max(0, length - self.window)
+
+
+class _Taker:
+    """Pops named tensors out of the loader's dict, checking shapes and casting."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.tensors = tensors
+        self.dtype = dtype
+        self.device = device
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ModelError(f"weights lack tensor {name}")
+        return self._check(name, self.tensors.pop(name), shape)
+
+    def optional(self, name: str, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+        if name not in self.tensors:
+            return None
+        return self._check(name, self.tensors.pop(name), shape)
+
+    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        if tuple(t.shape) != tuple(shape):
+            raise ModelError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(shape)}")
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def finish(self) -> None:
+        if self.tensors:
+            names = sorted(self.tensors)
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            raise ModelError(f"weights have tensors the decoder does not use: {', '.join(names[:5])}{more}")

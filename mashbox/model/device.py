@@ -1,0 +1,67 @@
+"""device_and_dtype: the one place that chooses the torch device and the compute dtype.
+
+cuda when torch.cuda.is_available() (or asked for), else cpu. dtype "auto" is measured,
+not guessed: a decode-shaped matmul ([8, hidden] x [hidden, 4*hidden]) is timed in
+float32 and bfloat16 on the chosen device and the faster wins.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mashbox.model.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError("device cuda was asked for but torch.cuda.is_available() is False")
+        return torch.device("cuda")
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ModelError(f"device must be auto, cpu or cuda, not {device!r}")
+
+
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, hidden: int, reps: int) -> float:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, hidden, generator=gen).to(device=device, dtype=dtype)
+    w = torch.randn(4 * hidden, hidden, generator=gen).to(device=device, dtype=dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):  # warm-up: kernel selection, caches
+            torch.nn.functional.linear(x, w)
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def device_and_dtype(device: str, dtype: str, hidden_size: int = 2048) -> tuple[torch.device, torch.dtype]:
+    """("auto"|"cpu"|"cuda", "auto"|"float32"|"bfloat16") -> (torch.device, torch.dtype).
+
+    hidden_size sizes the auto-dtype probe; pass the model's when it is known.
+    """
+    dev = pick_device(device)
+    if dtype in DTYPES:
+        return dev, DTYPES[dtype]
+    if dtype != "auto":
+        raise ModelError(f"dtype must be auto, float32 or bfloat16, not {dtype!r}")
+    times = {name: _matmul_seconds(dev, dt, hidden_size, reps=10) for name, dt in DTYPES.items()}
+    chosen = min(times, key=times.get)
+    log.info("dtype auto on %s: [8, %d] x [%d, %d] matmul float32 %.3f ms, bfloat16 %.3f ms -> %s",
+             dev, hidden_size, hidden_size, 4 * hidden_size, times["float32"] * 1e3,
+             times["bfloat16"] * 1e3, chosen)
+    return dev, DTYPES[chosen]

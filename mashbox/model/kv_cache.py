@@ -1,0 +1,33 @@
+"""KVCache: the static key/value buffers of every slot, allocated once at start-up.
+
+One slot holds one whole context. The decoder writes a token's K/V by index at
+[layer, slot, :, position] and reads a slot's keys as the view [layer, slot, :, :length],
+so nothing is allocated per token and no slot's data ever moves.
+"""
+from __future__ import annotations
+
+import torch
+
+from mashbox.model.model_config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, config: ModelConfig, slots: int, ctx: int, dtype: torch.dtype,
+                 device: torch.device):
+        if slots < 1 or ctx < 1:
+            raise ValueError("KVCache needs slots >= 1 and ctx >= 1")
+        self.slots = slots
+        self.ctx = ctx
+        shape = (config.num_layers, slots, config.num_kv_heads, ctx, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, ctx, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, ctx, head_dim]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @staticmethod
+    def bytes_for(config: ModelConfig, slots: int, ctx: int, dtype: torch.dtype) -> int:
+        """What a cache of this size would take, for sizing before allocating."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * slots * config.num_kv_heads * ctx * config.head_dim * item

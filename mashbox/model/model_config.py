@@ -1,0 +1,157 @@
+"""ModelConfig: the hyper-parameters of one decoder, whatever file they came from.
+
+Rules:
+- One frozen dataclass for Llama, Mistral, Qwen2 and Qwen3. The architectures differ
+  only by flags (attention_bias, qk_norm, tie_word_embeddings, rope_scaling,
+  sliding_window); the decoder reads the flags, never `arch`.
+- `from_hf(d)` reads an HF config.json dict (transformers 4 `rope_theta` /
+  `rope_scaling` and transformers 5 `rope_parameters` alike). The GGUF reader builds
+  one from the file's metadata (gguf_weights.py).
+- rope_scaling is None or a dict with "rope_type" in ROPE_TYPES; anything else raises
+  ModelError when the config is built, not at the first forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mashbox.model.errors import ModelError
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# "linear": positions divided by factor. "llama3": Llama-3.1 frequency-band scaling.
+# "freq_factors": per-frequency divisors given as a list (what llama.cpp stores in a
+# GGUF's rope_freqs tensor for Llama-3.1 models).
+ROPE_TYPES = ("linear", "llama3", "freq_factors")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (Qwen2); o_proj bias too when the weights have one
+    qk_norm: bool  # per-head RMSNorm of q and k before rope (Qwen3)
+    sliding_window: Optional[int] = None  # keys older than this many positions are masked
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ModelError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ModelError(f"model config field {name} must be a positive integer, not {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelError(
+                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelError(f"head_dim must be even for rope, not {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type")
+            if kind not in ROPE_TYPES:
+                raise ModelError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+            if kind == "freq_factors" and len(self.rope_scaling["factors"]) != self.head_dim // 2:
+                raise ModelError("rope freq_factors must have head_dim / 2 entries")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Weights of the decoder, counting a tied embedding once (norms and biases ignored)."""
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size + head
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Build from a transformers config.json dict."""
+        arch = d.get("model_type")
+        if arch not in ARCHITECTURES:
+            named = ", ".join(d.get("architectures") or []) or "unknown"
+            raise ModelError(
+                f"unsupported architecture {arch!r} ({named}); supported: {', '.join(ARCHITECTURES)}"
+            )
+        if d.get("mlp_bias"):
+            raise ModelError("mlp_bias is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelError(f"unsupported hidden_act {d.get('hidden_act')!r} (only silu)")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            kv_heads = int(d.get("num_key_value_heads") or heads)
+            head_dim = int(d.get("head_dim") or hidden // heads)
+            theta, scaling = _hf_rope(d)
+            return cls(
+                arch=arch,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=kv_heads,
+                head_dim=head_dim,
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=arch == "qwen2" or bool(d.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                sliding_window=_hf_sliding_window(arch, d),
+            )
+        except KeyError as e:
+            raise ModelError(f"config.json lacks field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelError(f"config.json has a malformed field: {e}") from None
+
+
+def _hf_rope(d: dict) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling or None) from either transformers config layout."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
+        params = params["full_attention"]
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+        params.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+    params = dict(params)
+    theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    params["rope_type"] = kind
+    params.pop("type", None)
+    return theta, params
+
+
+def _hf_sliding_window(arch: str, d: dict) -> Optional[int]:
+    window = d.get("sliding_window")
+    if arch == "mistral":
+        return int(window) if window else None
+    if arch in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        kinds = set(d.get("layer_types") or ["sliding_attention"])
+        if kinds != {"sliding_attention"}:
+            raise ModelError("sliding window on only some layers (use_sliding_window with "
+                             "max_window_layers) is not supported")
+        return int(window) if window else None
+    return None
