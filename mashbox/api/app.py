@@ -33,6 +33,7 @@ log = logging.getLogger("mashbox.api")
 ROUTE_MODULES = (
     "mashbox.api.health",
     "mashbox.api.metrics",
+    "mashbox.api.openapi",
     "mashbox.api.chat",
     "mashbox.api.completions",
     "mashbox.api.messages",
@@ -51,8 +52,6 @@ def load_text(engine_config: EngineConfig) -> tuple[Any, Any]:
 
 def make_context(server_config: ServerConfig, engine_config: EngineConfig, engine: Any,
                  tokenizer: Any = None, template: Any = None) -> ApiContext:
-    from mashbox.api.metrics import Metrics
-
     if tokenizer is None or template is None:
         tokenizer, template = load_text(engine_config)
     return ApiContext(
@@ -61,7 +60,6 @@ def make_context(server_config: ServerConfig, engine_config: EngineConfig, engin
         engine=engine,
         tokenizer=tokenizer,
         template=template,
-        metrics=Metrics(),
     )
 
 
@@ -96,7 +94,7 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
 
     `engine`: an EngineClient-like object; None starts the real worker.
     """
-    from mashbox.http.protocol import start_server
+    from mashbox.http.server import serve as listen
 
     loop = asyncio.get_running_loop()
     if engine is None:
@@ -114,25 +112,21 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
             except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
                 pass
 
-    server = await start_server(router, server_config)
-    log.info("listening on http://%s:%d", server_config.host, server_config.port)
+    server = await listen(router, server_config)
+    log.info("listening on http://%s:%d", server_config.host, server.port)
     if on_listening is not None:
         on_listening(server)
     engine_task = asyncio.ensure_future(engine.start())
     try:
         await stop.wait()
     finally:
-        server.close()
+        await server.close()
         if not engine_task.done():
             engine_task.cancel()
         try:
             await engine.stop()
-        except Exception:  # noqa: BLE001 - shutting down: log and go on
+        except Exception:  # shutting down: log it and go on
             log.exception("engine stop failed")
-        try:
-            await asyncio.wait_for(server.wait_closed(), 5.0)
-        except asyncio.TimeoutError:
-            log.warning("connections still open at shutdown")
     return 0
 
 

@@ -52,8 +52,7 @@ class ApiContext:
     """Everything a route handler needs, built once by app.py.
 
     `engine` is an EngineClient (or a scripted stand-in with the same surface);
-    `tokenizer` and `template` are loaded in the server process from the model path;
-    `metrics` is the api layer's own request counters (api/metrics.py).
+    `tokenizer` and `template` are loaded in the server process from the model path.
     """
 
     server_config: ServerConfig
@@ -61,7 +60,6 @@ class ApiContext:
     engine: Any
     tokenizer: Any
     template: Any
-    metrics: Any = None
     started_at: float = field(default_factory=time.time)
 
     @property

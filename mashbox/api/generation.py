@@ -229,8 +229,6 @@ class Generation:
         self.result = Result(prompt_tokens=len(prompt.ids))
         self._calls: dict[int, ToolCall] = {}
         self._handle = None
-        self._submitted_at = 0.0
-        self._first_token_at: Optional[float] = None
         self.output_sent = False  # set by a route once a client has received model output
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -244,11 +242,13 @@ class Generation:
             if type(exc).__name__ in ("QueueFull", "NotReady"):
                 raise engine_error(exc, self.family) from None
             raise
-        self._submitted_at = time.monotonic()
 
     def cancel(self) -> None:
+        """Stop the engine request (idempotent); a run cut short counts as aborted."""
         if self._handle is not None and not self.result.finished:
             self._handle.cancel()
+            self.result.finish_reason = "cancelled"
+            self.result.finished = True
 
     async def steps(self, heartbeat_s: Optional[float] = None) -> AsyncIterator[Optional[Step]]:
         if self._handle is None:
@@ -299,15 +299,12 @@ class Generation:
     def _on_event(self, ev: StepEvent) -> Step:
         r = self.result
         if ev.token_ids:
-            if self._first_token_at is None:
-                self._first_token_at = time.monotonic()
             r.completion_tokens += len(ev.token_ids)
         if ev.cached_tokens:
             r.cached_tokens = ev.cached_tokens
         if ev.finish_reason == "error":
             self.result.finish_reason = "error"
             self.result.finished = True
-            self._record()
             raise GenerationError(ev.error or "the request failed on the device")
         pieces = self._apply(self._parser.feed(ev.text)) if ev.text else []
         return Step(pieces, ev, finished=ev.finish_reason is not None)
@@ -339,24 +336,31 @@ class Generation:
             if ev.timings.predicted_n:
                 r.completion_tokens = max(r.completion_tokens, ev.timings.predicted_n)
         r.finished = True
-        self._record()
-
-    def _record(self) -> None:
-        metrics = self.api.metrics
-        if metrics is None:
-            return
-        now = time.monotonic()
-        metrics.observe_request(
-            finish_reason=self.result.finish_reason or "error",
-            prompt_tokens=self.result.prompt_tokens,
-            cached_tokens=self.result.cached_tokens,
-            completion_tokens=self.result.completion_tokens,
-            timings=self.result.timings,
-            ttft_s=(self._first_token_at - self._submitted_at) if self._first_token_at else None,
-            e2e_s=now - self._submitted_at if self._submitted_at else None,
-        )
-
 
 def finish_failure(exc: GenerationError, family: str):
     """The 500 a non-streamed route answers when the worker failed its request."""
     return device_error(f"The request failed on the device: {exc}", family)
+
+
+class EventStream:
+    """The iterator a route hands to StreamResponse: its frames, plus a close that always
+    cancels the engine request, even when the stream is closed before its first frame (an
+    async generator that never started runs no `finally`)."""
+
+    def __init__(self, frames: AsyncIterator[bytes], generation: Generation):
+        self._frames = frames
+        self._generation = generation
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._frames.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            close = getattr(self._frames, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            self._generation.cancel()

@@ -25,13 +25,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import orjson
-
 from mashbox.api.common import ApiContext, bad_request
+from mashbox.text import tool_prompt
 
 log = logging.getLogger("mashbox.api")
 
-TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_OPEN = tool_prompt.CALL_OPEN
 TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
 
 
@@ -96,14 +95,14 @@ def tool_names(tools: list) -> tuple[str, ...]:
 def forced_opening(choice: ToolChoice) -> str:
     """The start of the assistant turn that forces a call (empty for auto / none)."""
     if choice.mode == "required":
-        return TOOL_CALL_OPEN + "\n"
+        return tool_prompt.forced_call_prefix(None)
     if choice.mode == "named":
-        return TOOL_CALL_OPEN + "\n" + '{"name": ' + orjson.dumps(choice.name).decode() + ', "arguments": '
+        return tool_prompt.forced_call_prefix(choice.name)
     return ""
 
 
 # ---------------------------------------------------------------------------------------
-# Rendering and encoding (the text layer does the template; this adapts to it)
+# Rendering and encoding (text.chat renders the template; this adds forcing and fitting)
 # ---------------------------------------------------------------------------------------
 
 
@@ -114,57 +113,39 @@ def _template_kwargs(conv: Conversation) -> dict:
     return kwargs
 
 
-def _encode_conversation(api: ApiContext, messages: list, tools: Optional[list], conv: Conversation) -> list[int]:
+def _build(api: ApiContext, messages: list, tools: Optional[list], conv: Conversation, prefix: str = ""):
+    """text.chat.ChatPrompt of the conversation (ids, in_reasoning); template errors -> 400."""
+    from mashbox.text.chat import TemplateError
+
     try:
-        return list(api.template.encode(messages, tools=tools or None, add_generation_prompt=True,
-                                        **_template_kwargs(conv)))
-    except Exception as exc:  # a template's raise_exception or a bad message shape
-        if isinstance(exc, _TEMPLATE_ERRORS):
-            raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages")
-        raise
+        return api.template.build(messages, tools or None, True, prefix, **_template_kwargs(conv))
+    except TemplateError as exc:
+        raise bad_request(f"messages could not be rendered by the chat template: {exc}", "messages") from None
 
 
-def _template_errors() -> tuple:
-    errors: list = [ValueError, TypeError, KeyError]
-    try:
-        import jinja2
+def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, bool]:
+    """(ids, starts in reasoning, forced text, tools active) of a conversation.
 
-        errors.append(jinja2.TemplateError)
-    except ImportError:  # pragma: no cover - jinja2 is a dependency
-        pass
-    return tuple(errors)
-
-
-_TEMPLATE_ERRORS = _template_errors()
-
-
-def _encode_trusted(api: ApiContext, text: str) -> list[int]:
-    """Encode text mashbox itself wrote: the tool-call opening may be a special token
-    (Qwen's `<tool_call>`), so markers in the vocabulary become their ids; the rest is
-    plain text. Client-controlled parts (a tool name) never contain the marker: the
-    marker is split out before the name is appended."""
-    tok = api.tokenizer
-    special = getattr(tok, "special_tokens", {}) or {}
-    ids: list[int] = []
-    rest = text
-    if rest.startswith(TOOL_CALL_OPEN) and TOOL_CALL_OPEN in special:
-        ids.append(special[TOOL_CALL_OPEN])
-        rest = rest[len(TOOL_CALL_OPEN):]
-    if rest:
-        ids.extend(tok.encode(rest))
-    return ids
-
-
-def _reasoning_flags(api: ApiContext, conv: Conversation, ids: list[int]) -> tuple[bool, bool]:
-    """(parse reasoning, starts inside a think block) for this template and prompt."""
-    template_text = getattr(api.template, "source", None) or getattr(api.tokenizer, "chat_template", None) or ""
-    parse = "<think>" in template_text or "<think>" in (getattr(api.tokenizer, "special_tokens", {}) or {})
-    if not parse or conv.enable_thinking is False:
-        return parse, False
-    tail = api.tokenizer.decode(ids[-8:]) if ids else ""
-    stripped = tail.rstrip()
-    starts_in = stripped.endswith("<think>")
-    return parse, starts_in
+    The forced opening goes through the template's build as plain text following the
+    generation prompt (so it tokenizes as HF would tokenize the whole string), except
+    when the model has `<tool_call>` as a special token (Qwen): the model writes that
+    token, so the opening is that id followed by the rest as continuation text. The
+    client's part (a tool name) is always plain text.
+    """
+    messages = join_system(conv.messages)
+    use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
+    tools = conv.tools if use_tools else None
+    forced = forced_opening(conv.tool_choice) if use_tools else ""
+    special = getattr(api.tokenizer, "special_tokens", {}) or {}
+    if forced and TOOL_CALL_OPEN in special:
+        built = _build(api, messages, tools, conv)
+        ids = list(built.ids) + api.tokenizer.encode_marked(
+            [(TOOL_CALL_OPEN, True), (forced[len(TOOL_CALL_OPEN):], False)])
+    else:
+        built = _build(api, messages, tools, conv, forced)
+        ids = list(built.ids)
+    in_reasoning = bool(built.in_reasoning) and not forced
+    return ids, in_reasoning, forced, use_tools
 
 
 def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], param: str = "messages") -> int:
@@ -184,33 +165,22 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
 
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
     """Render, tokenize, force the tool choice, fit max_tokens."""
-    messages = join_system(conv.messages)
-    use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
-    ids = _encode_conversation(api, messages, conv.tools if use_tools else None, conv)
-    parse_reasoning, starts_in_reasoning = _reasoning_flags(api, conv, ids)
-    forced = forced_opening(conv.tool_choice) if use_tools else ""
-    if forced:
-        ids = ids + _encode_trusted(api, forced)
-        starts_in_reasoning = False  # the turn opens with the call, not a thought
+    ids, in_reasoning, forced, use_tools = _render(api, conv)
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
         ids=tuple(ids),
         max_tokens=fitted,
         forced_text=forced,
         parse_tools=use_tools,
-        parse_reasoning=parse_reasoning,
-        starts_in_reasoning=starts_in_reasoning,
+        parse_reasoning=bool(getattr(api.template, "reasoning", False)),
+        starts_in_reasoning=in_reasoning,
         tool_names=tool_names(conv.tools) if use_tools else (),
     )
 
 
 def count_chat_tokens(api: ApiContext, conv: Conversation) -> int:
     """Prompt tokens the conversation uses after the template, tools and forcing included."""
-    messages = join_system(conv.messages)
-    use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
-    ids = _encode_conversation(api, messages, conv.tools if use_tools else None, conv)
-    forced = forced_opening(conv.tool_choice) if use_tools else ""
-    return len(ids) + (len(_encode_trusted(api, forced)) if forced else 0)
+    return len(_render(api, conv)[0])
 
 
 def text_prompt(api: ApiContext, text: str, max_tokens: Optional[int], param: str = "prompt") -> Prompt:

@@ -1,0 +1,106 @@
+"""The server's own routes: health, the model list, one model.
+
+Rules:
+- GET /v1/health, /health and / answer the Health object: 200 with status "ok" once the
+  worker sent its ready frame, 503 with status "loading" before (and while a worker
+  restarts). HEAD is answered by the same handlers (the protocol drops the body).
+  With `--ui`, GET / is the chat page instead.
+- GET /v1/models lists the one model; GET /v1/models/{model} answers it when {model}
+  is its id, else 404 model_not_found. Figures the worker measures (context length,
+  weights, GB, bits per weight) come from its ready frame; before it, the configured
+  values (context 0 when the model's own length is not known yet).
+- Health fields about caches and programs this build does not have are reported as
+  what they are here: 0 bytes, null ids, "uncertified".
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from mashbox.api.common import OPENAI, ApiContext, model_not_found
+from mashbox.http.response import Response, json_response
+
+log = logging.getLogger("mashbox.api")
+
+UI_INDEX = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ui", "index.html")
+
+
+def health_json(api: ApiContext) -> dict:
+    engine = api.engine
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    ready = api.ready
+    body = {
+        "status": "ok" if ready else "loading",
+        "live_rows": stats.get("running", 0) if ready else None,
+        "waiting": stats.get("waiting", 0),
+        "cache_bytes": 0,
+        "host_cache_bytes": 0,
+        "snapshot_bytes": 0,
+        "host_cache_cap_bytes": 0,
+        "host_cache_evictions": 0,
+        "cache_namespace": None,
+        "deployment_id": None,
+        "component_set_sha": None,
+        "certification": "uncertified",
+        "compiles_after_ready": stats.get("compiles_after_ready") if ready else None,
+        "routed_experts": None,
+        "worker_pid": stats.get("worker_pid", getattr(engine, "worker_pid", None)),
+        "worker_restarts": stats.get("worker_restarts", 0),
+    }
+    error = getattr(engine, "error", None)
+    if error:
+        body["error"] = error  # the worker could not load the model: say why
+    return body
+
+
+def model_json(api: ApiContext) -> dict:
+    info = getattr(api.engine, "info", None) or {}
+    model = {
+        "id": api.model_id,
+        "object": "model",
+        "owned_by": "mashbox-labs",
+        "created": 0,
+        "max_model_len": int(info.get("ctx") or api.engine_config.ctx or 0),
+        "prefix_cache": True,
+        "slots": int(info.get("slots") or api.engine_config.slots),
+        "cache_ram_mib": 0,
+    }
+    weights = os.path.basename(info.get("weights_file") or api.engine_config.model_path)
+    if weights:
+        model["weights"] = weights
+    for key in ("gb", "bpw"):
+        if info.get(key) is not None:
+            model[key] = float(info[key])
+    return model
+
+
+def routes(api: ApiContext) -> list:
+    async def health(req):
+        return json_response(health_json(api), 200 if api.ready else 503,
+                             None if api.ready else {"retry-after": "5"})
+
+    async def root(req):
+        if api.server_config.ui and req.method == "GET":
+            try:
+                with open(UI_INDEX, "rb") as f:
+                    return Response(200, f.read(), content_type="text/html; charset=utf-8")
+            except OSError:
+                log.warning("--ui: %s is missing; answering health at /", UI_INDEX)
+        return await health(req)
+
+    async def models(req):
+        return json_response({"object": "list", "data": [model_json(api)]})
+
+    async def one_model(req):
+        name = req.params.get("model", "")
+        if name != api.model_id:
+            raise model_not_found(name, api.model_id)
+        return json_response(model_json(api))
+
+    return [
+        ("GET", "/v1/health", health, OPENAI),
+        ("GET", "/health", health, OPENAI),
+        ("GET", "/", root, OPENAI),
+        ("GET", "/v1/models", models, OPENAI),
+        ("GET", "/v1/models/{model}", one_model, OPENAI),
+    ]

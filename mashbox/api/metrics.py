@@ -1,0 +1,105 @@
+"""GET /metrics: what the server does, in the Prometheus text exposition format.
+
+Rules:
+- Every name starts with `mashbox:`. No label names a user, an API key or a session:
+  the only labels are `finished_reason`, the cache layout's `block_size` /
+  `num_blocks`, and histogram `le`.
+- One source of numbers: `engine.stats()` (the engine client counts every request it
+  admits, whichever route sent it); this module only names and formats them.
+- Cache layout: one slot holds one whole context, so block_size = ctx and
+  num_blocks = slots.
+- Prefix cache lookups and hits are counted in tokens: every prompt token is looked up;
+  the hits are the prompt tokens served from the cache.
+"""
+from __future__ import annotations
+
+from mashbox.api.common import OPENAI, ApiContext
+from mashbox.http.response import text_response
+
+PREFIX = "mashbox:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Engine finish reasons -> the metric's finished_reason (EOS and stop strings are "stop").
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+_ENGINE_TO_METRIC = {"stop": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "abort",
+                     "error": "error"}
+
+# metric name -> (engine stats histogram key, help)
+HISTOGRAMS = (
+    ("time_to_first_token_seconds", "time_to_first_token_seconds", "Time from admission to the first new token."),
+    ("request_queue_time_seconds", "queue_time_seconds", "Time a request waited for a slot."),
+    ("e2e_request_latency_seconds", "e2e_request_latency_seconds", "Time from admission to the final event."),
+    ("time_per_output_token_seconds", "time_per_output_token_seconds", "Time per new token after the first."),
+)
+
+
+def _num(x) -> str:
+    if isinstance(x, bool):
+        return "1" if x else "0"
+    if isinstance(x, int):
+        return str(x)
+    return repr(float(x))
+
+
+def render(api: ApiContext) -> str:
+    stats = api.engine.stats() or {}
+    info = getattr(api.engine, "info", None) or {}
+    slots = int(stats.get("slots") or info.get("slots") or api.engine_config.slots)
+    ctx = int(stats.get("ctx") or info.get("ctx") or api.engine_config.ctx or 0)
+    finished = {r: 0 for r in FINISHED_REASONS}
+    for reason, n in (stats.get("requests_finished") or {}).items():
+        finished[_ENGINE_TO_METRIC.get(reason, "error")] += n
+
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list) -> None:
+        full = PREFIX + name
+        lines.append(f"# HELP {full} {help_text}")
+        lines.append(f"# TYPE {full} {kind}")
+        for labels, value in samples:
+            lines.append(f"{full}{labels} {_num(value)}")
+
+    metric("num_requests_running", "gauge", "Requests in a slot (prefilling or decoding).",
+           [("", stats.get("running", 0))])
+    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats.get("waiting", 0))])
+    metric("kv_cache_usage_perc", "gauge", "Fraction of the KV cache slots in use (0 to 1).",
+           [("", float(stats.get("kv_cache_usage", 0.0)))])
+    metric("cache_config_info", "gauge",
+           "KV cache layout: one slot holds one whole context (block_size = ctx, num_blocks = slots).",
+           [(f'{{block_size="{ctx}",num_blocks="{slots}"}}', 1)])
+    metric("request_success_total", "counter", "Requests finished, by finish reason.",
+           [(f'{{finished_reason="{r}"}}', finished[r]) for r in FINISHED_REASONS])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+           [("", stats.get("prompt_tokens", 0))])
+    metric("generation_tokens_total", "counter", "New tokens generated.",
+           [("", stats.get("generated_tokens", 0))])
+    metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+           [("", stats.get("prompt_tokens", 0))])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
+           [("", stats.get("prefix_cache_hit_tokens", 0))])
+    metric("num_preemptions_total", "counter", "Requests preempted (mashbox never preempts).",
+           [("", stats.get("preemptions", 0))])
+    metric("worker_restarts_total", "counter", "Times the worker was started again after a fault.",
+           [("", stats.get("worker_restarts", 0))])
+    metric("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.",
+           [("", stats.get("compiles_after_ready", 0) or 0)])
+
+    hists = stats.get("histograms") or {}
+    for name, key, help_text in HISTOGRAMS:
+        full = PREFIX + name
+        h = hists.get(key) or {"buckets": [], "sum": 0.0, "count": 0}
+        lines.append(f"# HELP {full} {help_text}")
+        lines.append(f"# TYPE {full} histogram")
+        for le, cum in h["buckets"]:
+            lines.append(f'{full}_bucket{{le="{le}"}} {cum}')
+        lines.append(f'{full}_bucket{{le="+Inf"}} {h["count"]}')
+        lines.append(f"{full}_sum {_num(float(h['sum']))}")
+        lines.append(f"{full}_count {h['count']}")
+    return "\n".join(lines) + "\n"
+
+
+def routes(api: ApiContext) -> list:
+    async def metrics(req):
+        return text_response(render(api), content_type=CONTENT_TYPE)
+
+    return [("GET", "/metrics", metrics, OPENAI)]
