@@ -436,7 +436,7 @@ class HttpProtocol(asyncio.Protocol):
     def _cut_slow_reader(self) -> None:
         self._slow_timer = None
         if self.writing_paused and not self.closed:
-            log.warning("client %s read nothing for %.0f s; closing its connection",
+            log.warning("client %s read nothing for %.1f s; closing its connection",
                         self.client_addr, self.config.slow_reader_timeout_s)
             self._abort()
 

@@ -1,0 +1,465 @@
+"""Real sockets: a mashbox http server on 127.0.0.1:<free port>, driven by raw sockets,
+http.client, httpx and the official OpenAI / Anthropic SDKs. The handlers are test
+routes over a scripted token source (the api layer's tests run the real engine)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import http.client
+import socket
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import orjson
+import pytest
+
+from mashbox.config import ServerConfig
+from mashbox.http.response import HTTPError, json_response, retry_after, text_response
+from mashbox.http.router import Router
+from mashbox.http.security import Guard
+from mashbox.http.server import serve
+from mashbox.http.sse import DONE, HEARTBEAT, StreamResponse, data, event
+
+BASE = ServerConfig(host="127.0.0.1", port=0, max_body_bytes=4096, max_url_bytes=1024,
+                    max_header_bytes=2048, keepalive_timeout_s=5.0)
+
+
+class Probes:
+    """Thread-safe flags the server-side handlers set, read by the test thread."""
+
+    def __init__(self):
+        self.events: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+        self.values: dict[str, object] = {}
+
+    def ev(self, name: str) -> threading.Event:
+        with self.lock:
+            return self.events.setdefault(name, threading.Event())
+
+
+def chat_chunk(cid: str, delta: dict, finish=None) -> dict:
+    return {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": "m1",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def app_factory(probes: Probes):
+    def make(cfg: ServerConfig) -> Router:
+        r = Router(Guard(cfg))
+
+        async def health(req):
+            return json_response({"status": "ok"})
+
+        async def models(req):
+            return json_response({"object": "list", "data": [{"id": "m1", "object": "model"}]})
+
+        async def metrics(req):
+            return text_response("mashbox:requests_running 0\n")
+
+        async def openapi(req):
+            return json_response({"openapi": "3.1.0"})
+
+        async def chat(req):
+            body = req.json()
+            probes.values["tenant"] = req.tenant
+            words = ["Mercury", ", Venus", " and Earth."]
+            if not body.get("stream"):
+                return json_response({
+                    "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m1",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(words)},
+                                 "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+
+            async def events():
+                yield data(chat_chunk("chatcmpl-1", {"role": "assistant", "content": ""}))
+                for w in words:
+                    await asyncio.sleep(0.001)
+                    yield data(chat_chunk("chatcmpl-1", {"content": w}))
+                yield data(chat_chunk("chatcmpl-1", {}, "stop"))
+                yield DONE
+            return StreamResponse(events())
+
+        async def messages(req):
+            body = req.json()
+            if body.get("max_tokens") == 0:
+                raise HTTPError(400, "max_tokens: must be >= 1", param="max_tokens")
+            return json_response({
+                "id": "msg_1", "type": "message", "role": "assistant", "model": "m1",
+                "content": [{"type": "text", "text": "hi"}], "stop_reason": "end_turn",
+                "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+        async def busy(req):
+            raise HTTPError(429, "Too many requests are waiting.", headers=retry_after(3))
+
+        async def endless(req):
+            """Big frames as fast as the client takes them, until closed."""
+            async def events():
+                frame = b"data: " + b"x" * 65536 + b"\n\n"
+                try:
+                    while True:
+                        probes.values["sent"] = probes.values.get("sent", 0) + 1
+                        yield frame
+                finally:
+                    probes.values["closed_at"] = time.monotonic()
+                    probes.ev("endless closed").set()
+            return StreamResponse(events())
+
+        async def one_then_wait(req):
+            """One frame, then waits on a generation that never comes (a long prefill)."""
+            async def events():
+                try:
+                    yield data({"n": 0})
+                    await asyncio.sleep(3600)
+                    yield DONE
+                finally:
+                    probes.ev("wait closed").set()
+            return StreamResponse(events())
+
+        async def quiet(req):
+            async def events():
+                yield data({"n": 0})
+                await asyncio.sleep(float(req.query.get("s", "0.5")))
+                yield DONE
+            return StreamResponse(events())
+
+        async def hang(req):
+            probes.ev("hang started").set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                probes.ev("hang cancelled").set()
+                raise
+            return text_response("never")
+
+        r.get("/health", health)
+        r.get("/", health)
+        r.get("/v1/health", health)
+        r.get("/v1/models", models)
+        r.get("/metrics", metrics)
+        r.get("/openapi.json", openapi)
+        r.post("/v1/chat/completions", chat)
+        r.post("/v1/messages", messages, family="anthropic")
+        r.get("/v1/busy", busy)
+        r.get("/v1/endless", endless)
+        r.get("/v1/one-then-wait", one_then_wait)
+        r.get("/v1/quiet", quiet)
+        r.post("/v1/hang", hang)
+        return r
+    return make
+
+
+@pytest.fixture
+def probes():
+    return Probes()
+
+
+@pytest.fixture
+def srv(start_server, probes):
+    return start_server(app_factory(probes), BASE)
+
+
+KEYS = (("sk-alice-1", "alice"), ("sk-alice-2", "alice"), ("sk-lone", "key-0123456789abcdef"))
+
+
+@pytest.fixture
+def keyed(start_server, probes):
+    return start_server(app_factory(probes), dataclasses.replace(BASE, api_keys=KEYS))
+
+
+def request(srv, method, path, body=None, headers=None, host=True):
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+    try:
+        c.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        hdrs = {"Host": srv.host()} if host is True else ({"Host": host} if host else {})
+        hdrs.update(headers or {})
+        if body is not None:
+            hdrs.setdefault("Content-Length", str(len(body)))
+        for k, v in hdrs.items():
+            c.putheader(k, v)
+        c.endheaders(body)
+        r = c.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        c.close()
+
+
+def raw_exchange(srv, payload: bytes, timeout: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
+        s.sendall(payload)
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            out += b
+        return out
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+# ---- every status code this layer produces -------------------------------------------
+
+def test_200_and_head(srv):
+    status, h, body = request(srv, "GET", "/health")
+    assert (status, orjson.loads(body)) == (200, {"status": "ok"})
+    status, h2, body = request(srv, "HEAD", "/v1/health")
+    assert status == 200 and body == b"" and h2["content-length"] == h["content-length"]
+
+
+def test_400_malformed_request_closes(srv):
+    out = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400 ") and b"connection: close" in out
+
+
+def test_400_body_not_json(srv):
+    status, _, body = request(srv, "POST", "/v1/chat/completions", b"{nope", JSON)
+    assert status == 400
+    assert orjson.loads(body)["error"]["message"].startswith("The request body is not valid JSON")
+
+
+def test_400_anthropic_shape(srv):
+    status, _, body = request(srv, "POST", "/v1/messages", b'{"max_tokens": 0}', JSON)
+    assert status == 400
+    assert orjson.loads(body) == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "max_tokens: must be >= 1"}}
+
+
+def test_400_without_host(srv):
+    status, _, _ = request(srv, "GET", "/health", host=None)
+    assert status == 400
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:{port}", "127.0.0.2:{port}", "localhost.evil:{port}"])
+def test_403_host_the_server_does_not_answer_to(srv, host):
+    status, _, body = request(srv, "GET", "/health", host=host.format(port=srv.port))
+    assert status == 403
+    assert orjson.loads(body)["error"]["type"] == "permission_error"
+
+
+@pytest.mark.parametrize("host", ["localhost:{port}", "127.0.0.1:{port}", "LOCALHOST:9999", "localhost"])
+def test_host_names_it_answers_to(srv, host):
+    # Only the name is compared: an SSH tunnel from another local port still works.
+    assert request(srv, "GET", "/health", host=host.format(port=srv.port))[0] == 200
+
+
+def test_server_names_are_answered(start_server, probes):
+    s = start_server(app_factory(probes), dataclasses.replace(BASE, server_names=("box.lan",)))
+    assert request(s, "GET", "/health", host=f"box.lan:{s.port}")[0] == 200
+    assert request(s, "GET", "/health", host=f"other.lan:{s.port}")[0] == 403
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:1", "null", "https://127.0.0.1:{port}x"])
+def test_403_other_origin(srv, origin):
+    status, _, body = request(srv, "POST", "/v1/chat/completions", b'{"messages": []}',
+                              {**JSON, "Origin": origin.format(port=srv.port)})
+    assert status == 403
+    assert "origin" in orjson.loads(body)["error"]["message"]
+
+
+def test_same_origin_is_allowed(srv):
+    status, _, _ = request(srv, "POST", "/v1/chat/completions", b'{"messages": []}',
+                           {**JSON, "Origin": f"http://127.0.0.1:{srv.port}"})
+    assert status == 200
+
+
+def test_404_and_405(srv):
+    status, _, body = request(srv, "GET", "/v1/nothing")
+    assert status == 404 and orjson.loads(body)["error"]["type"] == "not_found_error"
+    status, _, body = request(srv, "GET", "/v1/messages/batches")
+    assert status == 404 and orjson.loads(body)["type"] == "error"
+    status, h, _ = request(srv, "DELETE", "/v1/models")
+    assert status == 405 and h["allow"] == "GET, HEAD"
+
+
+def test_413_body_too_large(srv):
+    out = raw_exchange(srv, b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + srv.host().encode()
+                       + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + b"{" * 8192)
+    assert out.startswith(b"HTTP/1.1 413 ")
+
+
+def test_414_url_too_long(srv):
+    status, _, _ = request(srv, "GET", "/health?q=" + "a" * 2000)
+    assert status == 414
+
+
+def test_415_post_not_json(srv):
+    status, _, body = request(srv, "POST", "/v1/chat/completions", b"messages=hi",
+                              {"Content-Type": "application/x-www-form-urlencoded"})
+    assert status == 415 and orjson.loads(body)["error"]["param"] == "content-type"
+    status, _, _ = request(srv, "POST", "/v1/chat/completions", b'{"messages": []}')
+    assert status == 415  # no Content-Type at all
+    status, _, _ = request(srv, "POST", "/v1/chat/completions", b'{"messages": []}',
+                           {"Content-Type": "Application/JSON; charset=utf-8"})
+    assert status == 200
+
+
+def test_431_headers_too_large(srv):
+    status, _, _ = request(srv, "GET", "/health", headers={"X-Big": "b" * 3000})
+    assert status == 431
+
+
+def test_429_carries_retry_after_to_the_sdk(srv):
+    client = httpx.get(srv.url("/v1/busy"), headers={"Host": srv.host()})
+    assert client.status_code == 429 and client.headers["retry-after"] == "3"
+    assert client.json()["error"]["type"] == "rate_limit_error"
+
+
+# ---- API keys ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/openapi.json", "/v1/health", "/v1/unknown"])
+def test_401_without_key_on_protected_paths(keyed, path):
+    status, h, body = request(keyed, "GET", path)
+    assert status == 401 and h["www-authenticate"] == "Bearer"
+    assert orjson.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", ["/health", "/"])
+def test_health_stays_open_with_keys(keyed, path):
+    assert request(keyed, "GET", path)[0] == 200
+
+
+def test_keys_by_bearer_and_x_api_key_give_tenants(keyed, probes):
+    body = b'{"messages": []}'
+    assert request(keyed, "POST", "/v1/chat/completions", body, {**JSON, "Authorization": "Bearer sk-wrong"})[0] == 401
+    assert request(keyed, "POST", "/v1/chat/completions", body, {**JSON, "Authorization": "Bearer sk-alice-2"})[0] == 200
+    assert probes.values["tenant"] == "alice"
+    assert request(keyed, "POST", "/v1/chat/completions", body, {**JSON, "x-api-key": "sk-lone"})[0] == 200
+    assert probes.values["tenant"] == "key-0123456789abcdef"
+    assert request(keyed, "POST", "/v1/chat/completions", body, {**JSON, "Authorization": "Basic sk-lone"})[0] == 401
+
+
+def test_official_sdks_see_401_in_their_shapes(keyed):
+    oa = openai.OpenAI(base_url=keyed.url("/v1"), api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        oa.models.list()
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    an = anthropic.Anthropic(base_url=keyed.url(), api_key="sk-wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        an.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": "The API key is not valid."}}
+    ok = anthropic.Anthropic(base_url=keyed.url(), api_key="sk-alice-1", max_retries=0)
+    msg = ok.messages.create(model="claude-x", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert msg.content[0].text == "hi"
+
+
+def test_refuses_non_loopback_host_without_keys():
+    async def main():
+        with pytest.raises(ValueError, match="without an API key"):
+            await serve(Router(), dataclasses.replace(BASE, host="0.0.0.0"))
+    asyncio.run(main())
+
+
+# ---- streaming ----------------------------------------------------------------------------
+
+def test_openai_sdk_reads_the_stream(srv):
+    oa = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0)
+    stream = oa.chat.completions.create(model="m1", messages=[{"role": "user", "content": "planets"}], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text == "Mercury, Venus and Earth."
+    # keep-alive: the SDK's pooled connection serves the next (non-streamed) request
+    r = oa.chat.completions.create(model="m1", messages=[{"role": "user", "content": "planets"}])
+    assert r.choices[0].message.content == "Mercury, Venus and Earth."
+
+
+def test_stream_headers(srv):
+    with httpx.stream("POST", srv.url("/v1/chat/completions"), json={"stream": True, "messages": []}) as r:
+        assert r.headers["content-type"] == "text/event-stream"
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["connection"] == "keep-alive"
+        assert r.headers["transfer-encoding"] == "chunked"
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and len(lines) == 6
+
+
+def test_heartbeat_after_quiet_period(start_server, probes):
+    s = start_server(app_factory(probes), dataclasses.replace(BASE, heartbeat_s=0.15))
+    with httpx.stream("GET", s.url("/v1/quiet?s=0.5")) as r:
+        body = b"".join(r.iter_raw())
+    assert body.startswith(b'data: {"n":0}\n\n' + HEARTBEAT)
+    assert 2 <= body.count(HEARTBEAT) <= 4 and body.endswith(DONE)
+
+
+def test_slow_reader_is_cut_and_its_iterator_closed(start_server, probes):
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.6, heartbeat_s=0.1)
+    s = start_server(app_factory(probes), cfg)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", s.port))
+    sock.sendall(b"GET /v1/endless HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+    stopped = time.monotonic()  # from here on the client reads nothing
+    assert probes.ev("endless closed").wait(15), "slow reader was never cut"
+    waited = probes.values["closed_at"] - stopped
+    assert waited >= cfg.slow_reader_timeout_s - 0.05, f"cut after {waited:.2f}s, before the timeout"
+    # The server closed (reset) the connection: draining the socket ends.
+    sock.settimeout(5)
+    try:
+        while sock.recv(1 << 20):
+            pass
+    except ConnectionResetError:
+        pass
+    sock.close()
+    # The generator stopped being pulled once the kernel buffers filled.
+    assert probes.values["sent"] < 2000
+
+
+def test_reader_that_pauses_briefly_is_not_cut(start_server, probes):
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=1.5)
+    s = start_server(app_factory(probes), cfg)
+    with httpx.stream("GET", s.url("/v1/endless")) as r:
+        got = 0
+        for i, chunk in enumerate(r.iter_raw()):
+            got += len(chunk)
+            if i == 5:
+                time.sleep(0.5)  # stops reading, less than the timeout
+            if got > 4_000_000:
+                break
+    assert got > 4_000_000
+    assert probes.ev("endless closed").wait(5)  # closing our side ends the stream too
+
+
+def test_disconnect_closes_the_stream_iterator_at_once(srv, probes):
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.sendall(b"GET /v1/one-then-wait HTTP/1.1\r\nHost: " + srv.host().encode() + b"\r\n\r\n")
+    got = b""
+    while b'data: {"n":0}' not in got:
+        got += sock.recv(4096)
+    t0 = time.monotonic()
+    sock.close()
+    assert probes.ev("wait closed").wait(2)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_disconnect_cancels_a_non_streamed_handler(srv, probes):
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    body = b'{"a": 1}'
+    sock.sendall(b"POST /v1/hang HTTP/1.1\r\nHost: " + srv.host().encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n" + body)
+    assert probes.ev("hang started").wait(2)
+    t0 = time.monotonic()
+    sock.close()
+    assert probes.ev("hang cancelled").wait(2)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_pipelined_over_a_real_socket(srv):
+    h = b"Host: " + srv.host().encode() + b"\r\n"
+    out = raw_exchange(srv, b"GET /health HTTP/1.1\r\n" + h + b"\r\n"
+                       + b"GET /v1/models HTTP/1.1\r\n" + h + b"\r\n"
+                       + b"GET /health HTTP/1.1\r\n" + h + b"Connection: close\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200 OK") == 3
+    assert out.index(b'"status":"ok"') < out.index(b'"object":"list"') < out.rindex(b'"status":"ok"')
+
+
+def test_sse_event_frame_format():
+    frame = event("message_start", {"type": "message_start"})
+    assert frame == b'event: message_start\ndata: {"type":"message_start"}\n\n'
+    with pytest.raises(ValueError):
+        event("bad\nname", {})
