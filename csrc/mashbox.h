@@ -35,16 +35,17 @@ size_t mb_sample_scratch_bytes(int32_t vocab);
  * logits:         float[rows * vocab], penalised in place (NaN becomes -inf)
  * params:         float[rows * MB_NUM_PARAMS]
  * rng_state:      uint64[rows], one draw taken per row
- * hist_ids:       int32[hist_offsets[rows]]; row r's history (prompt then generated) is
+ * hist_ids:       int32[n_hist]; row r's history (prompt then generated) is
  *                 hist_ids[hist_offsets[r] .. hist_offsets[r+1]), ids from index
  *                 hist_gen_start[r] of it on are generated ones; ids outside [0, vocab)
  *                 are ignored
- * hist_offsets:   int32[rows + 1], non-decreasing, from 0
+ * hist_offsets:   int32[rows + 1], non-decreasing, within [0, n_hist]
  * hist_gen_start: int32[rows]
  * out_ids:        int32[rows]
  * scratch:        at least mb_sample_scratch_bytes(vocab) bytes, 8-byte aligned */
 int mb_sample(float *logits, int32_t rows, int32_t vocab, const float *params,
-              uint64_t *rng_state, const int32_t *hist_ids, const int32_t *hist_offsets,
+              uint64_t *rng_state, const int32_t *hist_ids, int32_t n_hist,
+              const int32_t *hist_offsets,
               const int32_t *hist_gen_start, int32_t *out_ids, void *scratch,
               size_t scratch_bytes);
 

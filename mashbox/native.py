@@ -67,8 +67,6 @@ def _sample_args(logits, params, rng_state, hist_ids, hist_offsets, hist_gen_sta
     hist_offsets = _array(hist_offsets, np.int32, "hist_offsets", 1)
     if hist_offsets.shape != (rows + 1,):
         raise ValueError(f"hist_offsets must have shape ({rows + 1},), got {hist_offsets.shape}")
-    if rows and (hist_offsets[0] != 0 or np.any(np.diff(hist_offsets) < 0) or hist_offsets[-1] > len(hist_ids)):
-        raise ValueError("hist_offsets must start at 0, not decrease and end within hist_ids")
     hist_gen_start = _array(hist_gen_start, np.int32, "hist_gen_start", 1)
     if hist_gen_start.shape != (rows,):
         raise ValueError(f"hist_gen_start must have shape ({rows},), got {hist_gen_start.shape}")
@@ -131,6 +129,9 @@ def sample(
     int32[rows+1], hist_gen_start int32[rows] (see native_ref for the exact rules)."""
     args = _sample_args(logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start)
     if _lib is None:
+        offsets = args[4]
+        if offsets[0] < 0 or offsets[-1] > len(args[3]) or np.any(np.diff(offsets) < 0):
+            raise ValueError("hist_offsets must not decrease and must lie within [0, len(hist_ids)]")
         return native_ref.sample(*args)
     logits, params, rng_state, hist_ids, hist_offsets, hist_gen_start = args
     rows, vocab = logits.shape
@@ -140,10 +141,12 @@ def sample(
     scratch = _scratch.get(vocab)
     status = _lib.mb_sample(
         _ptr("float *", logits), rows, vocab, _ptr("float *", params),
-        _ptr("uint64_t *", rng_state), _ptr("int32_t *", hist_ids),
+        _ptr("uint64_t *", rng_state), _ptr("int32_t *", hist_ids), len(hist_ids),
         _ptr("int32_t *", hist_offsets), _ptr("int32_t *", hist_gen_start),
         _ptr("int32_t *", out), _ffi.from_buffer(scratch), scratch.nbytes,
     )
+    if status == -1:
+        raise ValueError("hist_offsets must not decrease and must lie within [0, len(hist_ids)]")
     _check(status, "sample")
     return out
 

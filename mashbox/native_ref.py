@@ -15,11 +15,11 @@ Sampling, per row, on the float32 logits x (modified in place):
      Frequency / presence (OpenAI): each distinct generated id once with its count c,
      x = (x - float32(c) * fp) - pp (float32). NaN logits then become -inf.
   2. temperature <= 0: argmax, lowest id on ties.
-  3. d = (double(x) - double(max x)) / double(temperature); weights
-     w = exp(d) by our own polynomial (`_exp_neg`, the same float64 operations in C, so
+  3. d = (double(x) - double(max x)) * (1 / double(temperature)); weights
+     w = exp(d) by our own polynomial (`_weights`, the same float64 operations in C, so
      the bits agree; libm and numpy's SIMD exp do not agree to the last bit), and the
-     integer weight W = floor(w * 2**44) (0 when d < -40 or not a number; tokens below
-     exp(-30.5) of the top one thus weigh 0 and are never drawn). All later steps work
+     integer weight W = round(w * 2**44), ties to even (0 when d < -40 or not a number;
+     tokens below about exp(-31.2) of the top one thus weigh 0 and are never drawn). All later steps work
      on the integer W, whose sums are exact in any order.
   4. top_k (1 <= k < tokens with W > 0): keep the k first tokens in the order
      (x descending, id ascending) -- `_order_keys`.
@@ -56,17 +56,16 @@ MAX_VOCAB = 1 << 19
 W_SCALE = 2.0**44  # integer weight of the top token; sums stay < 2**63 for vocab < 2**19
 D_MIN = -40.0  # below this, a token's weight is 0 (it would round to 0 anyway)
 
-# exp(d) for d in [-40, 0]: d = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-13 Taylor
-# polynomial (Horner, relative error < 1e-15), times 2**n. Rounding to the nearest n uses
-# the 1.5*2**52 trick so C and numpy need no rint/floor of their own.
+# exp(d) for d in [-40, 0]: d = n*ln2 + r with |r| <= ln2/2, exp(r) by a degree-10 Taylor
+# polynomial (Horner, relative error < 3e-13, far below what sampling can tell), times
+# 2**n. Rounding to the nearest n uses the 1.5*2**52 trick so C and numpy need no
+# rint/floor of their own.
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.6931471803691238  # high bits of ln 2 (n * _LN2_HI is exact for |n| < 2**11)
 _LN2_LO = 1.9082149292705877e-10
 _ROUND = 6755399441055744.0  # 1.5 * 2**52
-_EXP_COEFFS = (  # 1/13!, 1/12!, ..., 1/1!, 1/0! as the C file spells them
-    1.6059043836821613e-10,
-    2.08767569878681e-09,
-    2.505210838544172e-08,
+_INT_MAGIC = 4503599627370496.0  # 2**52: adding it rounds [0, 2**52) to an integer
+_EXP_COEFFS = (  # 1/10!, 1/9!, ..., 1/1!, 1/0! as the C file spells them
     2.755731922398589e-07,
     2.7557319223985893e-06,
     2.48015873015873e-05,
@@ -107,14 +106,21 @@ def rng_next(rng_state: np.ndarray) -> np.ndarray:
     return out
 
 
-def _exp_neg(d: np.ndarray) -> np.ndarray:
-    """exp(d) for float64 d in [D_MIN, 0], bit-identical to exp_neg() in csrc/sample.c."""
-    n = (d * _LOG2E + _ROUND) - _ROUND
-    r = (d - n * _LN2_HI) - n * _LN2_LO
-    p = np.full_like(d, _EXP_COEFFS[0])
-    for c in _EXP_COEFFS[1:]:
-        p = p * r + c
-    return p * np.ldexp(1.0, n.astype(np.int64))
+def _weights(x: np.ndarray, xmax: float, temperature: float) -> np.ndarray:
+    """int64[V] weights round(exp(d) * 2**44), d = (x - xmax) * (1/t), 0 where d < D_MIN or
+    NaN; bit-identical to weights() in csrc/sample.c (same float64 operations)."""
+    with np.errstate(all="ignore"):
+        d = (x.astype(np.float64) - xmax) * (1.0 / temperature)
+        keep = d >= D_MIN  # False for NaN (inf - inf)
+        d = np.where(keep, d, 0.0)
+        n = (d * _LOG2E + _ROUND) - _ROUND
+        r = (d - n * _LN2_HI) - n * _LN2_LO
+        p = np.full_like(d, _EXP_COEFFS[0])
+        for c in _EXP_COEFFS[1:]:
+            p = p * r + c
+        v = p * np.ldexp(1.0, n.astype(np.int64)) * W_SCALE + _INT_MAGIC  # rounds, ties even
+    w = v.view(np.int64) - np.int64(0x4330000000000000)
+    return np.where(keep, w, 0)
 
 
 def _order_keys(x: np.ndarray) -> np.ndarray:
@@ -149,12 +155,7 @@ def _sample_row(x: np.ndarray, p: np.ndarray, state: int, hist: np.ndarray, gen_
     state, z = _rng_next(state)
     if not temperature > 0:
         return _argmax(x), state
-    xmax = float(np.max(x))
-    with np.errstate(all="ignore"):
-        d = (x.astype(np.float64) - xmax) / float(temperature)
-        valid = d >= D_MIN  # False for NaN (inf - inf)
-        w = np.where(valid, _exp_neg(np.where(valid, d, 0.0)), 0.0)
-    weights = (w * W_SCALE).astype(np.int64)  # [V]; truncation = floor, values >= 0
+    weights = _weights(x, float(np.max(x)), float(temperature))  # [V] int64, >= 0
     pos = np.flatnonzero(weights > 0)
     if top_k >= 1 and top_k < vocab and int(top_k) < len(pos):
         keys = _order_keys(x)
