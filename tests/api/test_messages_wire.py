@@ -1,0 +1,239 @@
+"""Exact wire bytes of /v1/messages for cases the real model cannot be made to produce
+on demand: a worker failure mid-stream, a prefill long enough to need pings, a stop
+sequence at a known place, a full queue, a loading model.
+
+The engine is a scripted double (`ScriptedEngine`: the EngineClient surface, replaying
+StepEvents); tokenizer and chat template are the real default model's. Handlers are
+called directly and their StreamResponse iterated, so the bytes checked are exactly
+what the protocol would write. The real server and SDKs are in test_messages_e2e.py.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from mashbox.api import common, messages
+from mashbox.api.app import load_text
+from mashbox.config import EngineConfig, ServerConfig, StepEvent, Timings
+from mashbox.engine.client import NotReady, QueueFull
+from mashbox.http.request import Request
+from mashbox.http.response import HTTPError
+
+
+class ScriptedHandle:
+    def __init__(self, request_id: str, script: list):
+        self.id = request_id
+        self.script = script
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        for item in self.script:
+            if isinstance(item, (int, float)):
+                await asyncio.sleep(item)  # seconds without an event (a long prefill)
+                continue
+            yield StepEvent(id=self.id, **item)
+            if item.get("finish_reason"):
+                return
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class ScriptedEngine:
+    """What engine.client.EngineClient offers a route, replaying one script per request.
+    `refuse` makes submit raise (NotReady() or QueueFull(scope))."""
+
+    def __init__(self, script: list, ctx: int = 2048, state: str = "ok", refuse: Exception = None):
+        self.script = script
+        self.state = state
+        self.refuse = refuse
+        self.info = {"model_id": "smollm2-scripted", "ctx": ctx}
+        self.requests = []
+        self.handles = []
+
+    def submit(self, request):
+        if self.refuse is not None:
+            raise self.refuse
+        self.requests.append(request)
+        handle = ScriptedHandle(request.id, self.script)
+        self.handles.append(handle)
+        return handle
+
+
+def finish(reason: str, text: str = "", stop_sequence=None, n: int = 3, prompt: int = 0, cached: int = 0) -> dict:
+    return {"token_ids": (1,) if text else (), "text": text, "finish_reason": reason, "stop_sequence": stop_sequence,
+            "timings": Timings(prompt_n=prompt - cached, cache_n=cached, predicted_n=n)}
+
+
+@pytest.fixture(scope="module")
+def text_layer(default_model_path):
+    return load_text(EngineConfig(model_path=default_model_path, model_id="smollm2-scripted"))
+
+
+def make_api(text_layer, engine) -> common.ApiContext:
+    tokenizer, template = text_layer
+    return common.ApiContext(server_config=ServerConfig(), engine_config=EngineConfig(
+        model_path="unused", model_id="smollm2-scripted", ctx=engine.info["ctx"]),
+        engine=engine, tokenizer=tokenizer, template=template)
+
+
+def handler(api, path: str):
+    for method, p, h, family in messages.routes(api):
+        if p == path:
+            assert family == "anthropic"
+            return h
+    raise AssertionError(path)
+
+
+def post(api, body: dict, path: str = "/v1/messages"):
+    req = Request("POST", path, "beta=true", {"content-type": "application/json"}, orjson.dumps(body))
+    return asyncio.run(handler(api, path)(req))
+
+
+async def _collect(stream) -> bytes:
+    out = []
+    try:
+        async for chunk in stream.events:
+            out.append(chunk)
+    finally:
+        await stream.events.aclose()
+    return b"".join(out)
+
+
+def sse_frames(raw: bytes) -> list[tuple[str, dict]]:
+    """Split the bytes into (event name, data) frames; every frame must be exactly
+    `event: NAME\\ndata: JSON\\n\\n` with the name repeated as the data's type."""
+    assert raw.endswith(b"\n\n")
+    frames = []
+    for block in raw[:-2].split(b"\n\n"):
+        lines = block.split(b"\n")
+        assert len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "), block
+        name = lines[0][len(b"event: "):].decode()
+        data = orjson.loads(lines[1][len(b"data: "):])
+        assert data["type"] == name
+        frames.append((name, data))
+    return frames
+
+
+def stream_body(**extra) -> dict:
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 50, "stream": True,
+            "messages": [{"role": "user", "content": "Say hello."}]}
+    body.update(extra)
+    return body
+
+
+def run_stream(api, body) -> list[tuple[str, dict]]:
+    async def go():
+        resp = await handler(api, "/v1/messages")(
+            Request("POST", "/v1/messages", "beta=true", {}, orjson.dumps(body)))
+        return await _collect(resp)
+
+    return sse_frames(asyncio.run(go()))
+
+
+def test_stream_exact_sequence_with_stop_sequence(text_layer):
+    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Hello"},
+                             finish("stop_sequence", " there", "END", n=2)])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body(stop_sequences=["END"]))
+    assert [n for n, _ in frames] == ["message_start", "ping", "content_block_start", "content_block_delta",
+                                      "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    start = frames[0][1]["message"]
+    n_prompt = len(engine.requests[0].prompt_ids)
+    assert start["model"] == "claude-sonnet-4-5" and start["id"].startswith("msg_")
+    assert start["usage"]["input_tokens"] == n_prompt and start["stop_reason"] is None
+    assert engine.requests[0].stops == ("END",)
+    assert [f[1]["delta"]["text"] for f in frames[3:5]] == ["Hello", " there"]
+    assert frames[6][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert frames[6][1]["usage"]["output_tokens"] == 2
+
+
+def test_message_start_goes_out_before_the_engine_answers_and_pings_keep_it_alive(text_layer, monkeypatch):
+    monkeypatch.setattr(messages, "PING_S", 0.1)
+    engine = ScriptedEngine([0.55, {"started": True}, finish("stop", "Hi", n=1)])
+    api = make_api(text_layer, engine)
+
+    async def go():
+        resp = await handler(api, "/v1/messages")(Request("POST", "/v1/messages", "", {}, orjson.dumps(stream_body())))
+        it = resp.events.__aiter__()
+        first = await asyncio.wait_for(it.__anext__(), 0.05)  # no waiting on the engine
+        rest = []
+        async for chunk in it:
+            rest.append(chunk)
+        return first + b"".join(rest)
+
+    frames = sse_frames(asyncio.run(go()))
+    assert frames[0][0] == "message_start"
+    names = [n for n, _ in frames]
+    assert names[1] == "ping"
+    # 0.55 s of silence at one ping per 0.1 s: several pings before the first block.
+    assert names[:names.index("content_block_start")].count("ping") >= 4
+    assert names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_mid_stream_error_is_an_error_event(text_layer):
+    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Hel"},
+                             {"finish_reason": "error", "error": "CUDA error: device lost"}])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    assert [n for n, _ in frames] == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    err = frames[-1][1]
+    assert err["error"]["type"] == "api_error" and "device lost" in err["error"]["message"]
+    assert err["request_id"] == frames[0][1]["message"]["id"]
+
+
+def test_non_streamed_worker_failure_is_a_500(text_layer):
+    engine = ScriptedEngine([{"finish_reason": "error", "error": "boom"}])
+    api = make_api(text_layer, engine)
+    with pytest.raises(HTTPError) as info:
+        post(api, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert info.value.status == 500 and info.value.error_type("anthropic") == "api_error"
+
+
+@pytest.mark.parametrize("refuse,state,status", [
+    (NotReady(), "ok", 529), (QueueFull("total"), "ok", 529), (QueueFull("tenant"), "ok", 429), (None, "loading", 529),
+])
+def test_overloaded_and_loading(text_layer, refuse, state, status):
+    engine = ScriptedEngine([], state=state, refuse=refuse)
+    api = make_api(text_layer, engine)
+    with pytest.raises(HTTPError) as info:
+        post(api, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert info.value.status == status
+    body = info.value.body("anthropic")
+    assert body["type"] == "error"
+    headers = dict(info.value.headers)
+    assert "retry-after" in headers
+    if status == 529:
+        assert body["error"]["type"] == "overloaded_error" and headers["x-should-retry"] == "true"
+
+
+def test_non_streamed_message_and_clamped_max_tokens(text_layer):
+    engine = ScriptedEngine([{"started": True, "cached_tokens": 4},
+                             finish("length", "abc", n=7, prompt=30, cached=4)], ctx=256)
+    api = make_api(text_layer, engine)
+    resp = post(api, {"model": "claude-opus-4", "max_tokens": 64000, "messages": [{"role": "user", "content": "x"}]})
+    msg = orjson.loads(resp.body)
+    n_prompt = len(engine.requests[0].prompt_ids)
+    assert engine.requests[0].max_tokens == 256 - n_prompt  # clamped to the context, not refused
+    assert msg["stop_reason"] == "max_tokens" and msg["content"] == [{"type": "text", "text": "abc"}]
+    assert msg["usage"] == {"input_tokens": n_prompt - 4, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 4, "output_tokens": 7}
+
+
+def test_client_going_away_cancels_the_engine_request(text_layer):
+    engine = ScriptedEngine([{"started": True}, 30.0, finish("stop", "late")])
+    api = make_api(text_layer, engine)
+
+    async def go():
+        resp = await handler(api, "/v1/messages")(Request("POST", "/v1/messages", "", {}, orjson.dumps(stream_body())))
+        it = resp.events.__aiter__()
+        await it.__anext__()  # message_start
+        await resp.events.aclose()  # what the protocol does on a disconnect
+
+    asyncio.run(asyncio.wait_for(go(), 5))
+    assert engine.handles[0].cancelled

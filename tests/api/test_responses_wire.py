@@ -1,0 +1,95 @@
+"""Exact wire bytes of /v1/responses for cases the real model cannot be made to produce on
+demand (a worker failure mid-stream, max_output_tokens at a known place), with the
+scripted engine of test_messages_wire.py. The real server and SDK: test_responses_e2e.py."""
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from mashbox.api import responses
+from mashbox.http.request import Request
+from mashbox.http.response import HTTPError
+
+from test_messages_wire import ScriptedEngine, finish, make_api, sse_frames, text_layer  # noqa: F401
+
+
+def handler(api):
+    [(method, path, h, family)] = responses.routes(api)
+    assert (method, path, family) == ("POST", "/v1/responses", "openai")
+    return h
+
+
+def run(api, body):
+    async def go():
+        resp = await handler(api)(Request("POST", "/v1/responses", "", {}, orjson.dumps(body)))
+        if not body.get("stream"):
+            return orjson.loads(resp.body)
+        out = []
+        try:
+            async for chunk in resp.events:
+                out.append(chunk)
+        finally:
+            await resp.events.aclose()
+        return sse_frames(b"".join(out))
+
+    return asyncio.run(go())
+
+
+def test_stream_exact_sequence_incomplete(text_layer):
+    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Mercury,"},
+                             finish("length", " Venus", n=2)])
+    api = make_api(text_layer, engine)
+    frames = run(api, {"input": "Name planets.", "max_output_tokens": 2, "stream": True})
+    assert [n for n, _ in frames] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.incomplete"]
+    assert [d["sequence_number"] for _, d in frames] == list(range(1, 11))
+    assert engine.requests[0].max_tokens == 2
+    final = frames[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["output"][0]["content"][0]["text"] == "Mercury, Venus"
+    assert frames[6][1]["text"] == "Mercury, Venus"
+    assert final["usage"]["output_tokens"] == 2 and final["usage"]["input_tokens"] == len(engine.requests[0].prompt_ids)
+
+
+def test_mid_stream_error_then_failed(text_layer):
+    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Mer"},
+                             {"finish_reason": "error", "error": "device lost"}])
+    api = make_api(text_layer, engine)
+    frames = run(api, {"input": "x", "stream": True})
+    assert [n for n, _ in frames] == ["response.created", "response.in_progress", "response.output_item.added",
+                                      "response.content_part.added", "response.output_text.delta", "error",
+                                      "response.failed"]
+    assert [d["sequence_number"] for _, d in frames] == list(range(1, 8))
+    assert "device lost" in frames[-2][1]["message"]
+    failed = frames[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["id"] == frames[0][1]["response"]["id"]
+
+
+def test_non_streamed_and_echo(text_layer):
+    engine = ScriptedEngine([{"started": True, "cached_tokens": 3}, finish("stop", "Hi.", n=2, prompt=20, cached=3)])
+    api = make_api(text_layer, engine)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    out = run(api, {"input": "x", "parallel_tool_calls": True, "tools": tools, "tool_choice": "none",
+                    "store": False, "include": ["reasoning.encrypted_content"]})
+    assert out["object"] == "response" and out["id"].startswith("resp_") and out["status"] == "completed"
+    assert out["parallel_tool_calls"] is True and out["tool_choice"] == "none" and out["tools"] == tools
+    assert out["output"][0]["content"][0]["text"] == "Hi."
+    assert out["usage"]["input_tokens_details"]["cached_tokens"] == 3
+
+
+def test_model_mismatch_and_worker_failure(text_layer):
+    api = make_api(text_layer, ScriptedEngine([{"finish_reason": "error", "error": "boom"}]))
+    with pytest.raises(HTTPError) as info:
+        run(api, {"input": "x", "model": "gpt-5"})
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+    with pytest.raises(HTTPError) as info:
+        run(api, {"input": "x", "model": "smollm2-scripted"})
+    assert info.value.status == 500
+    api = make_api(text_layer, ScriptedEngine([], state="loading"))
+    with pytest.raises(HTTPError) as info:
+        run(api, {"input": "x"})
+    assert info.value.status == 503
