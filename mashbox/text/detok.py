@@ -1,0 +1,66 @@
+"""Incremental detokenization: new token ids -> the new complete text, per step.
+
+Rules:
+- Decoding one token at a time is wrong twice over: a character may span several byte
+  tokens (an emoji is 4 byte-level tokens), and a SentencePiece decoder drops the leading
+  space of the first token it sees. So each step decodes a short window of ids: from
+  `prefix_offset` (a few tokens back, already shown) to the end, and subtracts the text
+  of the same window up to `read_offset` (the end of what was shown).
+- The new text is released only when the window's text does not end in U+FFFD, i.e. no
+  UTF-8 sequence is still open; otherwise the ids wait for the next step. `flush()` at
+  the end gives what is left (with U+FFFD for bytes that never completed), so the pieces
+  always add up to `decode(prompt + generated)` minus `decode(prompt)`.
+- Special tokens (EOS, control tokens) are skipped; added non-special tokens such as
+  `<think>` are kept, since the output parser reads them.
+- Prompts are encoded from text, so they end on a character boundary; the window's
+  first text is taken as already shown.
+- Per token the work is one decode of a window whose length is bounded by the longest
+  run of ids that do not complete a character, so it is O(1) per token; `_ids` grows by
+  one int per token and is dropped with the request.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from mashbox.text.tokenizer import Tokenizer
+
+# How many prompt tokens the first window reaches back: enough context for the first new
+# token's leading space, few enough to be cheap.
+PROMPT_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+        self._hf = tokenizer.hf
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._read_offset = len(self._ids)  # ids before this are shown
+        self._prefix_offset = 0  # window start: ids before this are never decoded again
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._hf.decode(self._ids[start:end], skip_special_tokens=True)
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Take new ids; return the text they complete ("" while a character is open)."""
+        self._ids.extend(ids)
+        text = self._decode(self._prefix_offset, len(self._ids))
+        if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
+            return ""
+        new = text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return new
+
+    def flush(self) -> str:
+        """At the end of generation: the text still held back (may hold U+FFFD)."""
+        text = self._decode(self._prefix_offset, len(self._ids))
+        if len(text) <= len(self._prefix_text):
+            return ""
+        new = text[len(self._prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = ""
+        return new
