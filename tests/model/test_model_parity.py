@@ -1,0 +1,192 @@
+"""Our decoder against transformers on tiny random models, float32, to 1e-4.
+
+Each variant is saved by transformers as safetensors, loaded by our loader, and run
+through a sequence of mixed varlen batches: a prompt prefilled in two chunks next to
+full prefills of other slots, then decodes of several slots at different positions
+(slot sets that take the batched-decode path and ones that take the per-row path), and
+a lone decode. Every row's logits must equal transformers' logits for the same position
+of the same sequence.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import VARIANTS, make_tiny, reference, reference_logits
+
+from mashbox.model import loader
+from mashbox.model.decoder import Batch, Decoder
+from mashbox.model.errors import ModelError
+from mashbox.model.kv_cache import KVCache
+
+CPU = torch.device("cpu")
+ATOL = 1e-4
+
+# (slot, sequence length); sequences are random ids drawn per test.
+SEQS = {"a": (0, 24), "b": (1, 18), "c": (7, 12)}
+
+# Each step: rows of (sequence, first position, number of new tokens).
+STEPS = [
+    [("a", 0, 12), ("b", 0, 13), ("c", 0, 8)],  # a: first chunk of its prompt
+    [("a", 12, 8), ("b", 13, 1), ("c", 8, 1)],  # a: second chunk; b, c: decodes (slots 1, 7: per row)
+    [("a", 20, 1), ("b", 14, 1), ("c", 9, 1)],  # three decodes (slots 0, 1, 7: per row)
+    [("b", 15, 1), ("a", 21, 1)],  # two decodes in adjacent slots: the batched path
+    [("c", 10, 1)],  # a lone decode
+    [("a", 22, 2), ("b", 16, 1), ("c", 11, 1)],  # a short chunk after decodes, with decodes
+]
+
+
+def _load(folder, dtype=torch.float32):
+    weights = loader.load(str(folder), dtype, CPU)
+    return weights, Decoder(weights.config, weights.tensors, dtype, CPU)
+
+
+def _run_steps(decoder, cache, seqs):
+    """Yield (sequence name, position of its last new token, logits row) for every row."""
+    for step in STEPS:
+        rows = [(SEQS[name][0], start, seqs[name][start:start + n]) for name, start, n in step]
+        logits = decoder.forward(Batch.build(rows), cache)
+        assert logits.shape == (len(rows), decoder.config.vocab_size)
+        assert logits.dtype == torch.float32
+        for i, (name, start, n) in enumerate(step):
+            yield name, start + n - 1, logits[i]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_mixed_batches_match_transformers(tiny_dir, variant):
+    folder = make_tiny(tiny_dir, variant)
+    ref = reference(folder)
+    weights, decoder = _load(folder)
+    assert weights.tensors == {}, "the decoder takes ownership of the weights"
+    gen = torch.Generator().manual_seed(7)
+    seqs = {name: torch.randint(0, ref.config.vocab_size, (n,), generator=gen).tolist()
+            for name, (_, n) in SEQS.items()}
+    expected = {name: reference_logits(ref, ids) for name, ids in seqs.items()}
+    cache = KVCache(weights.config, slots=8, ctx=32, dtype=torch.float32, device=CPU)
+    checked = 0
+    for name, pos, row in _run_steps(decoder, cache, seqs):
+        want = expected[name][pos]
+        assert want.std() > 0.5, "random weights must give logits that differ"
+        err = (row - want).abs().max().item()
+        assert err < ATOL, f"{variant}: sequence {name} position {pos}: max |diff| {err}"
+        checked += 1
+    assert checked == sum(len(s) for s in STEPS)
+
+
+def test_config_flags_follow_the_architecture(tiny_dir):
+    flags = {}
+    for variant in ("llama", "llama_tied", "llama3_rope", "mistral_window", "qwen2", "qwen3"):
+        cfg = loader.read_config(str(make_tiny(tiny_dir, variant)))
+        flags[variant] = (cfg.arch, cfg.tie_word_embeddings, cfg.attention_bias, cfg.qk_norm,
+                          (cfg.rope_scaling or {}).get("rope_type"), cfg.sliding_window)
+    assert flags == {
+        "llama": ("llama", False, False, False, None, None),
+        "llama_tied": ("llama", True, False, False, None, None),
+        "llama3_rope": ("llama", False, False, False, "llama3", None),
+        "mistral_window": ("mistral", False, False, False, None, 8),
+        "qwen2": ("qwen2", True, True, False, None, None),
+        "qwen3": ("qwen3", False, False, True, None, None),
+    }
+
+
+def test_tied_embedding_is_held_once(tiny_dir):
+    weights = loader.load(str(make_tiny(tiny_dir, "llama_tied")), torch.float32, CPU)
+    assert "lm_head.weight" not in weights.tensors
+    decoder = Decoder(weights.config, weights.tensors, torch.float32, CPU)
+    assert decoder.lm_head is decoder.embed
+
+
+def test_sharded_folder_loads_like_a_single_file(tmp_path):
+    single = make_tiny(tmp_path / "one", "qwen3")
+    sharded = make_tiny(tmp_path / "many", "qwen3", max_shard_size="40KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a = loader.load(str(single), torch.float32, CPU)
+    b = loader.load(str(sharded), torch.float32, CPU)
+    assert b.weights_file.endswith("model.safetensors.index.json")
+    assert a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+def test_bfloat16_runs_close_to_float32(tiny_dir):
+    folder = make_tiny(tiny_dir, "qwen2")
+    ids = list(range(3, 40))
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        weights, decoder = _load(folder, dtype)
+        assert decoder.embed.dtype == dtype
+        cache = KVCache(weights.config, 2, 64, dtype, CPU)
+        assert cache.k.dtype == dtype
+        outs.append(decoder.forward(Batch.build([(1, 0, ids)]), cache))
+    assert outs[1].dtype == torch.float32
+    assert (outs[0] - outs[1]).abs().max().item() < 0.25
+    assert outs[0].argmax() == outs[1].argmax()
+
+
+def test_kv_is_written_only_at_the_rows_slots_and_positions(tiny_dir):
+    weights, decoder = _load(make_tiny(tiny_dir, "llama"))
+    cache = KVCache(weights.config, slots=3, ctx=16, dtype=torch.float32, device=CPU)
+    decoder.forward(Batch.build([(2, 0, [5, 6, 7]), (0, 4, [9])]), cache)
+    # [layers, slots, kv_heads, ctx, head_dim] -> written[slot, position]
+    written = cache.k.abs().sum(dim=(0, 2, 4)) > 0
+    want = torch.zeros(3, 16, dtype=torch.bool)
+    want[2, 0:3] = True
+    want[0, 4] = True
+    assert torch.equal(written, want)
+    assert torch.equal(cache.v.abs().sum(dim=(0, 2, 4)) > 0, want)
+
+
+def test_kv_cache_shape_and_size():
+    from tiny import make_config
+
+    from mashbox.model.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf(make_config("qwen3").to_dict())
+    cache = KVCache(cfg, slots=3, ctx=20, dtype=torch.bfloat16, device=CPU)
+    assert cache.k.shape == (cfg.num_layers, 3, cfg.num_kv_heads, 20, cfg.head_dim)
+    assert cache.nbytes == KVCache.bytes_for(cfg, 3, 20, torch.bfloat16)
+
+
+def test_batch_that_does_not_fit_the_cache_is_refused(tiny_dir):
+    weights, decoder = _load(make_tiny(tiny_dir, "llama"))
+    cache = KVCache(weights.config, slots=2, ctx=8, dtype=torch.float32, device=CPU)
+    with pytest.raises(ValueError, match="does not fit"):
+        decoder.forward(Batch.build([(0, 6, [1, 2, 3])]), cache)
+    with pytest.raises(ValueError, match="does not fit"):
+        decoder.forward(Batch.build([(2, 0, [1])]), cache)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
+    with pytest.raises(ModelError, match="gpt2"):
+        loader.read_config(str(tmp_path))
+    with pytest.raises(ModelError, match="gpt2"):
+        loader.load(str(tmp_path), torch.float32, CPU)
+
+
+def test_missing_and_corrupt_folders_raise_model_error(tmp_path, tiny_dir):
+    with pytest.raises(ModelError, match="not found"):
+        loader.load(str(tmp_path / "nowhere"), torch.float32, CPU)
+    folder = make_tiny(tmp_path, "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelError, match="model.safetensors"):
+        loader.load(str(folder), torch.float32, CPU)
+    weights.unlink()
+    with pytest.raises(ModelError, match="neither model.safetensors"):
+        loader.load(str(folder), torch.float32, CPU)
+
+
+def test_weights_that_do_not_match_the_config_raise_model_error(tiny_dir):
+    weights = loader.load(str(make_tiny(tiny_dir, "llama")), torch.float32, CPU)
+    weights.tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ModelError, match="up_proj"):
+        Decoder(weights.config, weights.tensors, torch.float32, CPU)
