@@ -89,10 +89,13 @@ def make_guard(server_config: ServerConfig) -> Any:
 
 async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
                       engine: Any = None, stop: Optional[asyncio.Event] = None,
-                      on_listening: Optional[Callable[[Any], None]] = None) -> int:
+                      on_listening: Optional[Callable[[Any], None]] = None,
+                      text: Optional[tuple[Any, Any]] = None) -> int:
     """Run until `stop` is set (SIGINT / SIGTERM set it when it is None). Returns the exit code.
 
-    `engine`: an EngineClient-like object; None starts the real worker.
+    `engine`: an EngineClient-like object; None starts the real worker. `text`: a loaded
+    (tokenizer, template) pair; None loads them from engine_config.model_path.
+    `on_listening(server)` is called once the socket listens (server.port is bound).
     """
     from mashbox.http.server import serve as listen
 
@@ -101,7 +104,8 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
         from mashbox.engine.client import EngineClient
 
         engine = EngineClient(engine_config, server_config)
-    api = make_context(server_config, engine_config, engine)
+    tokenizer, template = text if text is not None else (None, None)
+    api = make_context(server_config, engine_config, engine, tokenizer, template)
     router = build_router(api, make_guard(server_config))
 
     if stop is None:

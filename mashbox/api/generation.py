@@ -43,10 +43,11 @@ PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
 @dataclass(frozen=True)
 class Piece:
     kind: str  # one of PIECE_KINDS
-    text: str = ""  # text / reasoning / tool_args delta
+    text: str = ""  # text / reasoning / tool_args delta; tool_end: the whole arguments text
     index: int = 0  # tool call number within the answer (tool_* kinds)
     id: str = ""  # tool_start: the call's id
     name: str = ""  # tool_start: the function name
+    valid: bool = True  # tool_end: the arguments parse as a JSON object
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ToolCall:
     name: str
     arguments: str = ""  # JSON text as the model wrote it
     done: bool = False
+    valid: bool = False  # closed, and its arguments parse as a JSON object
 
 
 @dataclass
@@ -124,7 +126,8 @@ class _ParserAdapter:
     def __init__(self, prompt: Prompt, id_prefix: str):
         from mashbox.text.parsers import OutputParser
 
-        self._parser = _make_output_parser(OutputParser, prompt)
+        self._parser = OutputParser(reasoning=prompt.parse_reasoning, tools=prompt.parse_tools,
+                                    in_reasoning=prompt.starts_in_reasoning)
         self._id_prefix = id_prefix
         self._ids: dict[int, str] = {}
 
@@ -143,22 +146,16 @@ class _ParserAdapter:
                 call_id = self._id_prefix + new_id("")[:24]
                 self._ids[index] = call_id
                 out.append(Piece("tool_start", index=index, id=call_id, name=getattr(p, "name", "") or ""))
-            elif kind in ("tool_args", "tool_end"):
-                out.append(Piece(kind, text=_piece_text(p) if kind == "tool_args" else "", index=index,
-                                 id=self._ids.get(index, "")))
+            elif kind == "tool_args":
+                out.append(Piece(kind, text=_piece_text(p), index=index, id=self._ids.get(index, "")))
+            elif kind == "tool_end":
+                out.append(Piece(kind, text=getattr(p, "arguments", "") or "", index=index,
+                                 id=self._ids.get(index, ""), valid=bool(getattr(p, "valid", True))))
             elif kind in ("text", "reasoning"):
                 t = _piece_text(p)
                 if t:
                     out.append(Piece(kind, text=t))
         return out
-
-
-def _make_output_parser(cls, prompt: Prompt):
-    kwargs = {"reasoning": prompt.parse_reasoning, "tools": prompt.parse_tools}
-    try:
-        return cls(**kwargs, in_reasoning=prompt.starts_in_reasoning)
-    except TypeError:
-        return cls(**kwargs)
 
 
 _KIND_ALIASES = {
@@ -185,7 +182,7 @@ def _piece_kind(p) -> str:
 
 
 def _piece_text(p) -> str:
-    for name in ("text", "delta", "arguments"):
+    for name in ("text", "delta"):
         v = getattr(p, name, None)
         if isinstance(v, str):
             return v
@@ -323,7 +320,10 @@ class Generation:
             elif p.kind == "tool_args":
                 self._calls[p.index].arguments += p.text
             elif p.kind == "tool_end":
-                self._calls[p.index].done = True
+                call = self._calls[p.index]
+                call.done, call.valid = True, p.valid
+                if p.text:
+                    call.arguments = p.text
         return pieces
 
     def _finish(self, ev: StepEvent) -> None:
