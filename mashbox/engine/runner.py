@@ -48,7 +48,8 @@ class Runner:
     def __init__(self, cfg: EngineConfig) -> None:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, cfg.dtype)
+        hidden = loader.read_config(cfg.model_path).hidden_size  # sizes the auto-dtype probe
+        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, cfg.dtype, hidden)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device)
         self.model_config = mc = weights.config

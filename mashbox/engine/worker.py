@@ -171,8 +171,18 @@ class Engine:
                 reason = "stop"
             elif r.num_generated >= r.req.max_tokens or len(r.token_ids) >= self.ctx:
                 reason = "length"
-            if reason is not None and out.stops is not None:
-                text += out.stops.flush()
+            if reason is not None:
+                # bytes still held for an unfinished UTF-8 sequence, then the stop hold-back
+                tail = out.detok.flush()
+                if out.stops is None:
+                    text += tail
+                else:
+                    more, idx = out.stops.feed(tail)
+                    text += more
+                    if idx >= 0:
+                        reason, stop_seq = "stop_sequence", r.req.stops[idx]
+                    else:
+                        text += out.stops.flush()
         if reason is None:
             started = not r.started_sent
             r.started_sent = True

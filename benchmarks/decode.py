@@ -1,0 +1,144 @@
+"""Decode throughput of the default model at batch 1, 4 and 8, against the memory-bandwidth bound.
+
+Runs the engine in process (the same Engine the worker runs: scheduler, runner, native
+sampling, detokenization). Each batch size gets B requests with short prompts and
+ignore_eos; only steps where every row decodes are timed. In the same run, a large
+tensor copy measures the memory bandwidth; a decode step must read every weight byte
+once (the tied embedding as the output head), so
+
+    bound tokens/s (batch 1) = copy bandwidth / weight bytes read per step
+
+where copy bandwidth counts bytes read + bytes written. The last line is the result:
+
+    decode: b1 <tok/s> (<x>% of bound <tok/s>) | b4 <tok/s> | b8 <tok/s> (<r>x b1) | ...
+
+Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto]
+       [--profile]   (adds a torch profiler table of one batch-1 and one batch-8 step)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from mashbox import native  # noqa: E402
+from mashbox.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from mashbox.engine.worker import Engine  # noqa: E402
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a refrigerator works.",
+    "List ten fruits and their colours.",
+    "What is the history of the printing press?",
+    "Describe a walk through a forest in autumn.",
+    "How do airplanes stay in the air?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+]
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu") -> float:
+    """Bytes per second (read + written) of the best of `reps` large tensor copies."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps + 1):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def decode_rate(engine: Engine, batch: int, tokens: int, tag: str) -> tuple[float, float]:
+    """(aggregate tokens/s, mean step seconds) over steps where all `batch` rows decode."""
+    tok = engine.tokenizer
+    for i in range(batch):
+        ids = tok.encode(PROMPTS[i % len(PROMPTS)])
+        engine.submit(GenerationRequest(
+            id=f"{tag}-{i}", tenant="bench", prompt_ids=tuple(ids),
+            sampling=SamplingParams(temperature=0.0), max_tokens=tokens, ignore_eos=True))
+    steps, seconds = 0, 0.0
+    while engine.has_work:
+        decoding = sum(1 for r in engine.scheduler.running.values() if r.state.value == "decoding")
+        full = decoding == batch and not engine.scheduler.waiting
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if full:
+            steps += 1
+            seconds += dt
+    return batch * steps / seconds, seconds / steps
+
+
+def profile_step(engine: Engine, batch: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    tok = engine.tokenizer
+    for i in range(batch):
+        engine.submit(GenerationRequest(
+            id=f"prof{batch}-{i}", tenant="bench", prompt_ids=tuple(tok.encode(PROMPTS[i])),
+            sampling=SamplingParams(), max_tokens=12, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            engine.step()
+    while engine.has_work:
+        engine.step()
+    print(f"--- profile: 4 decode steps at batch {batch} ---")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the default model)")
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens per request")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    path = args.model
+    if path is None:
+        from mashbox import registry
+
+        path = str(registry.pull(registry.DEFAULT_MODEL_ID, quiet=True))
+    cfg = EngineConfig(model_path=path, model_id="bench", slots=8, ctx=512,
+                       dtype=args.dtype, device=args.device)
+    engine = Engine(cfg)
+    r = engine.runner
+    decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches
+    rates = {}
+    steps = {}
+    for b in (1, 4, 8):
+        rates[b], steps[b] = decode_rate(engine, b, args.tokens, f"b{b}")
+    bw = copy_bandwidth(device=r.device.type)
+    bound = bw / r.read_bytes_per_step
+    print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
+          f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step; "
+          f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}")
+    print(f"copy bandwidth {bw / 1e9:.2f} GB/s (read + write) -> bound {bound:.1f} steps/s")
+    for b in (1, 4, 8):
+        print(f"batch {b}: {rates[b]:.1f} tok/s aggregate, {steps[b] * 1e3:.1f} ms/step")
+    print(f"decode: b1 {rates[1]:.1f} tok/s ({100 * rates[1] / bound:.0f}% of bound {bound:.1f}) | "
+          f"b4 {rates[4]:.1f} tok/s ({rates[4] / rates[1]:.1f}x b1) | "
+          f"b8 {rates[8]:.1f} tok/s ({rates[8] / rates[1]:.1f}x b1) | "
+          f"targets: b1 >= 60% of bound, b8 >= 4x b1")
+    if args.profile:
+        profile_step(engine, 1)
+        profile_step(engine, 8)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
