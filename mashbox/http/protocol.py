@@ -381,34 +381,37 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.writelines((head, body))
 
     async def _write_stream(self, req: Request, resp: sse.StreamResponse) -> None:
-        events = resp.events
-        if self.closed:
-            await sse.aclose(events)
-            return
-        chunked = req.http_version != "1.0"
-        if not chunked:
-            req.keep_alive = False  # close-delimited
-        pairs = [("content-type", sse.CONTENT_TYPE), ("cache-control", "no-cache"),
-                 ("x-accel-buffering", "no")]
-        if req.keep_alive:
-            pairs.append(("connection", "keep-alive"))
-        if chunked:
-            pairs.append(("transfer-encoding", "chunked"))
-        pairs.extend(resp.headers)
-        self.transport.write(self._head(req, resp.status, encode_headers(pairs)) + _CRLF)
-        if req.method == "HEAD":
-            await sse.aclose(events)
-            return
-        channel = _ChunkedChannel(self) if chunked else _RawChannel(self)
-        st = await sse.pump(events, channel, self.loop, self.config.heartbeat_s)
-        if st.state == "failed":
-            # End without the last chunk: the client sees a broken stream, not a clean end.
-            req.keep_alive = False
-            self._abort()
-        elif chunked and not self.closed:
-            self.transport.write(_LAST_CHUNK)
-            if self.writing_paused:
-                await self.drain()
+        try:
+            if self.closed:
+                return
+            chunked = req.http_version != "1.0"
+            if not chunked:
+                req.keep_alive = False  # close-delimited
+            pairs = [("content-type", sse.CONTENT_TYPE), ("cache-control", "no-cache"),
+                     ("x-accel-buffering", "no")]
+            if req.keep_alive:
+                pairs.append(("connection", "keep-alive"))
+            if chunked:
+                pairs.append(("transfer-encoding", "chunked"))
+            pairs.extend(resp.headers)
+            self.transport.write(self._head(req, resp.status, encode_headers(pairs)) + _CRLF)
+            if req.method == "HEAD":
+                return
+            channel = _StreamChannel(self, chunked)
+            st = await sse.pump(resp.events, channel, self.loop, self.config.heartbeat_s)
+            if st.state == "failed":
+                # End without the last chunk: the client sees a broken stream, not a clean end.
+                channel.flush()
+                req.keep_alive = False
+                self._abort()
+            elif not self.closed:
+                channel.finish()
+                if self.writing_paused:
+                    await self.drain()
+        finally:
+            # Also on cancellation (disconnect, slow-reader cut): closes the iterator and
+            # runs on_close, so the engine request is cancelled.
+            await resp.close()
 
     async def drain(self) -> None:
         """Wait until the transport takes writes again (raises if the client is gone)."""
@@ -464,31 +467,62 @@ class HttpProtocol(asyncio.Protocol):
             self.connection_lost(None)
 
 
-class _ChunkedChannel:
-    """sse.Channel over chunked transfer encoding."""
+class _StreamChannel:
+    """sse.Channel: frames written in one event-loop turn leave in one send.
 
-    __slots__ = ("conn",)
+    A frame is queued and a flush is scheduled with call_soon, so it goes out before the
+    loop waits for anything (no added latency), but frames the generator has ready at
+    once (a server that fell behind the engine) share one system call instead of one
+    each. More than FLUSH_BYTES queued flushes at once, so flow control still sees the
+    transport's buffer. Chunked framing on HTTP/1.1; raw (close-delimited) on HTTP/1.0.
+    """
 
-    def __init__(self, conn: HttpProtocol):
+    __slots__ = ("conn", "chunked", "parts", "size", "scheduled")
+
+    FLUSH_BYTES = 65536
+
+    def __init__(self, conn: HttpProtocol, chunked: bool):
         self.conn = conn
+        self.chunked = chunked
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.scheduled = False
 
     @property
     def writing_paused(self) -> bool:
         return self.conn.writing_paused
 
     def write_body(self, chunk: bytes) -> None:
+        if self.chunked:
+            self.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        else:
+            self.parts.append(chunk)
+        self.size += len(chunk)
+        if self.size >= self.FLUSH_BYTES:
+            self.flush()
+        elif not self.scheduled:
+            self.scheduled = True
+            self.conn.loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self.scheduled = False
+        self.flush()
+
+    def flush(self, tail: bytes = b"") -> None:
+        parts = self.parts
+        if tail:
+            parts.append(tail)
+        if not parts:
+            return
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.parts = []
+        self.size = 0
         if not self.conn.closed:
-            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self.conn.transport.write(data)
+
+    def finish(self) -> None:
+        """The stream ended: queued frames and the last chunk, in one send."""
+        self.flush(_LAST_CHUNK if self.chunked else b"")
 
     async def drain(self) -> None:
         await self.conn.drain()
-
-
-class _RawChannel(_ChunkedChannel):
-    """sse.Channel for HTTP/1.0: the body ends when the connection closes."""
-
-    __slots__ = ()
-
-    def write_body(self, chunk: bytes) -> None:
-        if not self.conn.closed:
-            self.conn.transport.write(chunk)

@@ -12,9 +12,10 @@ Rules:
 - Heartbeat: `: heartbeat` goes out after heartbeat_s without a frame, and then every
   heartbeat_s; it is not a frame (it does not count as one) and it is skipped while
   writing is paused, so it never hides a client that reads nothing.
-- Whatever ends the pump (the events ran out, the generator failed, a disconnect or the
-  slow-reader cut cancelled it), the iterator is closed with `aclose()` so the api's
-  `finally:` cancels the engine request.
+- Whatever ends the stream (the events ran out, the generator failed, a disconnect or
+  the slow-reader cut cancelled the pump, a HEAD request that never pulls a frame), the
+  protocol calls `StreamResponse.close()`: the iterator's `aclose()`, then `on_close`,
+  so the api's `finally:` / callback cancels the engine request.
 
 Stream states (an illegal transition raises):
 
@@ -54,14 +55,39 @@ def event(name: str, obj) -> bytes:
 
 
 class StreamResponse:
-    """A streamed answer: the protocol writes `events` with flow control and heartbeats."""
+    """A streamed answer: the protocol writes `events` with flow control and heartbeats.
 
-    __slots__ = ("events", "status", "headers")
+    `on_close` (optional) is called once when the stream is over for any reason, after
+    `events` was closed. Use it for cleanup that must happen even when the iterator
+    never started: an async generator closed before its first item never runs its
+    `finally` (HEAD requests, a client gone before the first frame).
+    """
 
-    def __init__(self, events: AsyncIterator[bytes], headers: Headers = None, status: int = 200):
+    __slots__ = ("events", "status", "headers", "on_close", "_closed")
+
+    def __init__(self, events: AsyncIterator[bytes], headers: Headers = None, status: int = 200,
+                 on_close: Optional[Callable[[], None]] = None):
         self.events = events
         self.status = status
         self.headers = header_pairs(headers)
+        self.on_close = on_close
+        self._closed = False
+
+    async def close(self) -> None:
+        """Close the iterator (`aclose()`), then call on_close; only the first call acts."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            close = getattr(self.events, "aclose", None)
+            if close is not None:
+                await close()
+        finally:
+            if self.on_close is not None:
+                try:
+                    self.on_close()
+                except Exception:
+                    log.exception("SSE on_close callback failed")
 
     def __repr__(self) -> str:
         return f"StreamResponse({self.status})"
@@ -100,12 +126,6 @@ class Channel:
     async def drain(self) -> None: ...
 
 
-async def aclose(events) -> None:
-    close = getattr(events, "aclose", None)
-    if close is not None:
-        await close()
-
-
 async def pump(
     events: AsyncIterator[bytes],
     channel: Channel,
@@ -114,7 +134,8 @@ async def pump(
     on_state: Optional[Callable[[StreamState], None]] = None,
 ) -> StreamState:
     """Write every frame of `events` to `channel`; returns the final state ("ended" or
-    "failed"); raises CancelledError when cancelled. Always closes `events`."""
+    "failed"); raises CancelledError when cancelled. The caller closes the stream
+    (StreamResponse.close) whatever happens."""
     st = StreamState()
     last_activity = loop.time()
     timer: Optional[asyncio.TimerHandle] = None
@@ -155,5 +176,4 @@ async def pump(
             timer.cancel()
         if on_state is not None:
             on_state(st)
-        await aclose(events)
     return st

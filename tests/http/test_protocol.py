@@ -544,3 +544,35 @@ def test_access_log_has_no_headers_keys_or_bodies(fake_transport, caplog):
     assert line.startswith("POST /v1/echo 200 ") and line.endswith(" session=sess-42")
     for secret in ("sk-secret-key", "private", "secret=q", "Bearer"):
         assert secret not in line
+
+
+def test_stream_close_runs_on_close_even_when_the_generator_never_started(fake_transport, parse):
+    """HEAD and a client gone before the first frame: an async generator that never
+    started skips its `finally`, so on_close is the api's hook to cancel the engine."""
+    async def main():
+        log = []
+
+        async def gated(req):
+            async def events():
+                try:
+                    log.append("started")
+                    yield data({"a": 1})
+                finally:
+                    log.append("finally")
+            return StreamResponse(events(), on_close=lambda: log.append("on_close"))
+
+        r = Router(Guard(CFG))
+        r.get("/v1/s", gated)
+        proto, t = await open_conn(r, fake_transport)
+        proto.data_received(b"HEAD /v1/s HTTP/1.1\r\n" + HOST + b"\r\n")
+        await settle(proto)
+        assert parse(t.take(), head_methods=(True,))[0].status == 200
+        assert log == ["on_close"]
+        log.clear()
+        proto.data_received(get("/v1/s"))
+        await settle(proto)
+        assert parse(t.take())[0].body == b'data: {"a":1}\n\n'
+        assert log == ["started", "finally", "on_close"]
+
+    run(main())
+
