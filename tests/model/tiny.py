@@ -43,6 +43,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
     "qwen3_tied": ("Qwen3Config", dict(head_dim=16, num_key_value_heads=1, tie_word_embeddings=True)),
+    # head_dim 128 (Qwen3's default): transformers' GGUF loader does not read key_length
+    "qwen3_wide": ("Qwen3Config", dict(head_dim=128, num_key_value_heads=1, tie_word_embeddings=True)),
 }
 
 
