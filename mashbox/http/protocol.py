@@ -100,6 +100,7 @@ class HttpProtocol(asyncio.Protocol):
         self._m_headers: list[tuple[bytes, bytes]] = []
         self._m_header_bytes = 0
         self._m_in_head = False
+        self._m_began = False  # a message began during the current data_received
         self._m_head_seen = 0
         self._m_req: Optional[Request] = None
         self._m_body: list[bytes] = []
@@ -127,10 +128,12 @@ class HttpProtocol(asyncio.Protocol):
         self.pipeline.clear()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client disconnected"))
-        if self.task is not None and not self.task.done():
-            # Cancels a handler awaiting the engine, or the SSE pump (which closes its
-            # iterator, so the api cancels the engine request).
-            self.task.cancel()
+        task = self.task
+        if task is not None and not task.done() and task is not asyncio.current_task(self.loop):
+            # Cancels a handler awaiting the engine, or the SSE pump (the stream is then
+            # closed, so the api cancels the engine request). When the task itself
+            # aborted the connection it is ending on its own.
+            task.cancel()
 
     def eof_received(self) -> Optional[bool]:
         # A half-closed client gets no more answers (returning None closes the transport).
@@ -139,6 +142,7 @@ class HttpProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return  # lingering close: drop what the client still sends
+        self._m_began = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -152,13 +156,17 @@ class HttpProtocol(asyncio.Protocol):
             cause = e.__context__
             if isinstance(cause, _Refuse):
                 self._refuse(cause.error)
-                return
-            raise
+            else:
+                log.error("request parsing failed", exc_info=cause or e)
+                self._refuse(HTTPError(400, "Malformed HTTP request."))
+            return
         except httptools.HttpParserError as e:
             self._refuse(HTTPError(400, f"Malformed HTTP request: {e.args[0] if e.args else e}"))
             return
-        if self._m_in_head:
+        if self._m_in_head and not self._m_began:
             # httptools keeps a header line it has not finished; bound what it may hold.
+            # (A chunk in which the message began is not counted: it may hold earlier
+            # pipelined requests, and one chunk is bounded by the transport's read size.)
             self._m_head_seen += len(data)
             if self._m_head_seen > self.config.max_url_bytes + self.config.max_header_bytes:
                 self._refuse(HTTPError(431, "The request's headers are too large.", code="headers_too_large"))
@@ -182,6 +190,7 @@ class HttpProtocol(asyncio.Protocol):
     # ---- httptools callbacks ----------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._m_began = True
         self._m_url = b""
         self._m_headers = []
         self._m_header_bytes = 0

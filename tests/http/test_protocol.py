@@ -576,3 +576,20 @@ def test_stream_close_runs_on_close_even_when_the_generator_never_started(fake_t
 
     run(main())
 
+
+
+def test_large_pipelined_body_then_a_new_head_in_one_read_is_not_431(fake_transport, parse):
+    async def main():
+        cfg = dataclasses.replace(CFG, max_body_bytes=100_000)
+        proto, t = await open_conn(make_router(cfg), fake_transport, cfg)
+        body = b'{"pad": "' + b"p" * 50_000 + b'"}'
+        # One read: a whole POST with a body larger than the header limits, then the
+        # first bytes of the next request's head.
+        proto.data_received(post("/v1/echo", body) + b"GET /fast?n=2 HTTP/1.1\r\n")
+        proto.data_received(HOST + b"\r\n")
+        await settle(proto)
+        a, b = parse(t.take())
+        assert a.status == 200 and orjson.loads(a.body)["len"] == len(body)
+        assert b.status == 200 and b.body == b"fast 2"
+
+    run(main())
