@@ -19,7 +19,6 @@ Rules:
 
 Stream states (an illegal transition raises):
 
-    open ──frame──▶ open
     open ──events exhausted──▶ ended       (the protocol writes the last chunk)
     open ──generator raised──▶ failed      (the connection is closed unterminated)
     open ──cancelled──▶ cancelled          (disconnect / slow-reader cut)
@@ -95,7 +94,7 @@ class StreamResponse:
 
 # state -> allowed next states
 TRANSITIONS = {
-    "open": ("open", "ended", "failed", "cancelled"),
+    "open": ("ended", "failed", "cancelled"),
     "ended": (),
     "failed": (),
     "cancelled": (),
@@ -131,7 +130,6 @@ async def pump(
     channel: Channel,
     loop: asyncio.AbstractEventLoop,
     heartbeat_s: float,
-    on_state: Optional[Callable[[StreamState], None]] = None,
 ) -> StreamState:
     """Write every frame of `events` to `channel`; returns the final state ("ended" or
     "failed"); raises CancelledError when cancelled. The caller closes the stream
@@ -174,6 +172,4 @@ async def pump(
     finally:
         if timer is not None:
             timer.cancel()
-        if on_state is not None:
-            on_state(st)
     return st
