@@ -10,6 +10,10 @@ Rules:
   UTF-8 sequence is still open; otherwise the ids wait for the next step. `flush()` at
   the end gives what is left (with U+FFFD for bytes that never completed), so the pieces
   always add up to `decode(prompt + generated)` minus `decode(prompt)`.
+- One known difference: ids that never form valid UTF-8 decode to U+FFFD either way, but
+  a SentencePiece ByteFallback decoder replaces every byte of an invalid group, so the
+  number of U+FFFD (and whether a stray ASCII byte inside the group shows) may differ
+  from one whole decode. Valid output is always identical.
 - Special tokens (EOS, control tokens) are skipped; added non-special tokens such as
   `<think>` are kept, since the output parser reads them.
 - Prompts are encoded from text, so they end on a character boundary; the window's
