@@ -477,16 +477,13 @@ class HttpProtocol(asyncio.Protocol):
 
 
 class _StreamChannel:
-    """sse.Channel: frames written in one event-loop turn leave in one send.
-
-    A frame is queued and a flush is scheduled with call_soon, so it goes out before the
-    loop waits for anything (no added latency), but frames the generator has ready at
-    once (a server that fell behind the engine) share one system call instead of one
-    each. More than FLUSH_BYTES queued flushes at once, so flow control still sees the
-    transport's buffer. Chunked framing on HTTP/1.1; raw (close-delimited) on HTTP/1.0.
+    """sse.Channel: queued frames leave in one send when the pump flushes (the iterator
+    has to wait, or the stream ends) or when more than FLUSH_BYTES are queued, so flow
+    control still sees the transport's buffer. Chunked framing on HTTP/1.1; raw
+    (close-delimited) on HTTP/1.0.
     """
 
-    __slots__ = ("conn", "chunked", "parts", "size", "scheduled")
+    __slots__ = ("conn", "chunked", "parts", "size")
 
     FLUSH_BYTES = 65536
 
@@ -495,7 +492,6 @@ class _StreamChannel:
         self.chunked = chunked
         self.parts: list[bytes] = []
         self.size = 0
-        self.scheduled = False
 
     @property
     def writing_paused(self) -> bool:
@@ -509,13 +505,6 @@ class _StreamChannel:
         self.size += len(chunk)
         if self.size >= self.FLUSH_BYTES:
             self.flush()
-        elif not self.scheduled:
-            self.scheduled = True
-            self.conn.loop.call_soon(self._scheduled_flush)
-
-    def _scheduled_flush(self) -> None:
-        self.scheduled = False
-        self.flush()
 
     def flush(self, tail: bytes = b"") -> None:
         parts = self.parts

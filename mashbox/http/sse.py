@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import types
 from typing import AsyncIterator, Callable, Optional
 
 import orjson
@@ -120,9 +121,37 @@ class Channel:
 
     writing_paused: bool
 
-    def write_body(self, chunk: bytes) -> None: ...
+    def write_body(self, chunk: bytes) -> None:
+        """Queue a frame (the channel flushes by itself past its size threshold)."""
+
+    def flush(self) -> None:
+        """Send the queued frames now."""
 
     async def drain(self) -> None: ...
+
+
+@types.coroutine
+def _resume(it, first):
+    """Finish awaiting `it`, an awaitable's iterator that has already yielded `first`:
+    the rest of what `yield from it` would do. What the task sends or throws goes to
+    `it`, what `it` yields goes to the task; its return value is ours."""
+    yielded = first
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            it.close()
+            raise
+        except BaseException as exc:  # cancellation, thrown into the iterator as usual
+            try:
+                yielded = it.throw(exc)
+            except StopIteration as e:
+                return e.value
+        else:
+            try:
+                yielded = it.send(sent)
+            except StopIteration as e:
+                return e.value
 
 
 async def pump(
@@ -133,7 +162,15 @@ async def pump(
 ) -> StreamState:
     """Write every frame of `events` to `channel`; returns the final state ("ended" or
     "failed"); raises CancelledError when cancelled. The caller closes the stream
-    (StreamResponse.close) whatever happens."""
+    (StreamResponse.close) whatever happens.
+
+    Frames go out when the iterator has to wait: each step of `events.__anext__()` is
+    started by hand; if it finishes at once the frame is queued, and if it suspends
+    (waiting for the next token) the queue is flushed before the pump awaits the rest
+    of the step. Paced frames (one per token) are thus written as they come, with no
+    extra loop callback, and frames ready together (a server that fell behind its
+    engine) share one send.
+    """
     st = StreamState()
     last_activity = loop.time()
     timer: Optional[asyncio.TimerHandle] = None
@@ -145,6 +182,7 @@ async def pump(
         if now >= due - 0.001:
             if not channel.writing_paused:
                 channel.write_body(HEARTBEAT)
+                channel.flush()
                 st.heartbeats += 1
             last_activity = now
             due = now + heartbeat_s
@@ -152,8 +190,22 @@ async def pump(
 
     if heartbeat_s > 0:
         timer = loop.call_at(last_activity + heartbeat_s, beat)
+    anext = type(events).__anext__
     try:
-        async for frame in events:
+        while True:
+            it = anext(events).__await__()
+            try:
+                pending = it.send(None)
+            except StopIteration as e:
+                frame = e.value  # ready at once
+            except StopAsyncIteration:
+                break
+            else:
+                channel.flush()
+                try:
+                    frame = await _resume(it, pending)
+                except StopAsyncIteration:
+                    break
             if frame:
                 channel.write_body(frame)
                 st.frames += 1

@@ -593,3 +593,77 @@ def test_large_pipelined_body_then_a_new_head_in_one_read_is_not_431(fake_transp
         assert b.status == 200 and b.body == b"fast 2"
 
     run(main())
+
+
+def test_frames_ready_together_share_a_send_and_paced_frames_go_out_at_once(fake_transport, parse):
+    async def main():
+        gate = asyncio.Event()
+
+        async def burst_then_wait(req):
+            async def events():
+                for i in range(50):
+                    yield data({"i": i})  # all ready at once
+                await gate.wait()  # then the "engine" is slow
+                yield DONE
+            return StreamResponse(events())
+
+        class CountingTransport(fake_transport):
+            writes = 0
+
+            def write(self, d):
+                CountingTransport.writes += 1
+                super().write(d)
+
+        r = Router(Guard(CFG))
+        r.get("/v1/b", burst_then_wait)
+        proto, t = await open_conn(r, CountingTransport)
+        proto.data_received(get("/v1/b"))
+        await asyncio.sleep(0.01)
+        # The head, then the 50 frames in one send, written before the generator waits.
+        assert CountingTransport.writes == 2
+        assert t.data.count(b"data: {") == 50
+        gate.set()
+        await settle(proto)
+        assert CountingTransport.writes == 3  # [DONE] and the last chunk together
+        s = parse(t.take())[0]
+        assert s.body.count(b"data: {") == 50 and s.body.endswith(DONE)
+
+    run(main())
+
+
+def test_class_based_event_iterator_with_aclose(fake_transport, parse):
+    """The api wraps its generators in a class (EventStream-like): __anext__ is a
+    coroutine that may wait, aclose cancels the engine request."""
+    async def main():
+        log = []
+
+        class Frames:
+            def __init__(self):
+                self.n = 0
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                if self.n == 3:
+                    raise StopAsyncIteration
+                self.n += 1
+                if self.n == 2:
+                    await asyncio.sleep(0.005)
+                return data({"n": self.n})
+
+            async def aclose(self):
+                log.append("aclose")
+
+        async def h(req):
+            return StreamResponse(Frames())
+
+        r = Router(Guard(CFG))
+        r.get("/v1/c", h)
+        proto, t = await open_conn(r, fake_transport)
+        proto.data_received(get("/v1/c"))
+        await settle(proto)
+        assert parse(t.take())[0].body == b'data: {"n":1}\n\ndata: {"n":2}\n\ndata: {"n":3}\n\n'
+        assert log == ["aclose"]
+
+    run(main())
