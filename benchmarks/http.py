@@ -8,7 +8,8 @@ Two scenarios, the same routes on both servers, side by side in one run:
   ending with `data: [DONE]`. Each chunk is one send() on both servers, and on loopback
   the kernel's share of a send dominates, which bounds the ratio here;
 - sse-burst: the same stream with all 200 chunks ready at once (a server that fell
-  behind its engine); mashbox sends the frames of one loop turn together.
+  behind its engine); mashbox sends frames the generator yields without waiting in
+  one send, uvicorn + starlette one send per chunk.
 
 Each server runs as a subprocess on 127.0.0.1 (uvloop in both; uvicorn with
 http="httptools", no access log; mashbox with its Guard and access logging at WARNING).

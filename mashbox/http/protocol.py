@@ -94,6 +94,7 @@ class HttpProtocol(asyncio.Protocol):
         self._drain_waiter: Optional[asyncio.Future] = None
         self._slow_timer: Optional[asyncio.TimerHandle] = None
         self._idle_timer: Optional[asyncio.TimerHandle] = None
+        self._idle_since: Optional[float] = None  # loop time the connection went idle
         self._linger_timer: Optional[asyncio.TimerHandle] = None
         # per message being parsed
         self._m_url = b""
@@ -215,9 +216,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._m_in_head = False
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_since = None
         parser = self.parser
         headers: dict[str, str] = {}
         for name, value in self._m_headers:
@@ -436,13 +435,21 @@ class HttpProtocol(asyncio.Protocol):
     # ---- timers and closing -----------------------------------------------------------
 
     def _arm_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        self._idle_timer = self.loop.call_later(self.config.keepalive_timeout_s, self._idle_expired)
+        # One lazy timer per connection rather than a new one per request: it checks
+        # how long the connection has been idle when it fires and re-arms for the rest.
+        self._idle_since = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_later(self.config.keepalive_timeout_s, self._idle_check)
 
-    def _idle_expired(self) -> None:
+    def _idle_check(self) -> None:
         self._idle_timer = None
-        if self.task is None and not self.pipeline and not self.closed:
+        since = self._idle_since
+        if since is None or self.closed or self.task is not None or self.pipeline:
+            return  # busy: the end of the current answer arms it again
+        left = since + self.config.keepalive_timeout_s - self.loop.time()
+        if left > 0.001:
+            self._idle_timer = self.loop.call_later(left, self._idle_check)
+        else:
             self._close()
 
     def _cut_slow_reader(self) -> None:
