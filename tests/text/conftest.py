@@ -122,6 +122,7 @@ def training_corpus() -> list[str]:
         if rng.random() < 0.1:
             line = f"def f(x):\n    return x * {rng.randrange(100)}  # {rng.choice(words)}\n"
         lines.append(line)
+    lines += ["call 1234567 or 123 4567 at 2024"] * 40  # digit merges, to tell split rules apart
     return lines
 
 
