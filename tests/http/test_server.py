@@ -463,3 +463,43 @@ def test_sse_event_frame_format():
     assert frame == b'event: message_start\ndata: {"type":"message_start"}\n\n'
     with pytest.raises(ValueError):
         event("bad\nname", {})
+
+
+def test_server_close_ends_idle_connections_and_aborts_streams_after_the_grace():
+    async def main():
+        closed = asyncio.Event()
+
+        async def endless(req):
+            async def events():
+                try:
+                    while True:
+                        yield data({"t": 1})
+                        await asyncio.sleep(0.01)
+                finally:
+                    closed.set()
+            return StreamResponse(events())
+
+        async def health(req):
+            return json_response({"status": "ok"})
+
+        r = Router(Guard(BASE))
+        r.get("/v1/endless", endless)
+        r.get("/health", health)
+        server = await serve(r, BASE)
+        host = f"Host: 127.0.0.1:{server.port}\r\n".encode()
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", server.port)
+        idle_w.write(b"GET /health HTTP/1.1\r\n" + host + b"\r\n")
+        await idle_r.readuntil(b'{"status":"ok"}')
+        sr, sw = await asyncio.open_connection("127.0.0.1", server.port)
+        sw.write(b"GET /v1/endless HTTP/1.1\r\n" + host + b"\r\n")
+        await sr.readuntil(b'data: {"t":1}')
+        t0 = time.monotonic()
+        await asyncio.wait_for(server.close(grace_s=0.3), 5)
+        took = time.monotonic() - t0
+        assert closed.is_set()
+        assert 0.25 <= took < 2.0
+        assert await asyncio.wait_for(idle_r.read(), 1) == b""  # closed cleanly
+        for w in (idle_w, sw):
+            w.close()
+
+    asyncio.run(main())
