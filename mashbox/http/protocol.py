@@ -91,6 +91,7 @@ class HttpProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.closed = False
         self.refused = False  # a refusal is queued: drop further input
+        self.head_written = False  # the current answer's head went out
         self._drain_waiter: Optional[asyncio.Future] = None
         self._slow_timer: Optional[asyncio.TimerHandle] = None
         self._idle_timer: Optional[asyncio.TimerHandle] = None
@@ -332,6 +333,7 @@ class HttpProtocol(asyncio.Protocol):
     async def _answer(self, req: Request) -> None:
         start = self.loop.time()
         status = 0
+        self.head_written = False
         try:
             if req.error is not None:
                 resp = req.error.to_response(self.app.family_for(req.path))
@@ -353,7 +355,7 @@ class HttpProtocol(asyncio.Protocol):
             status = status or 499
         except Exception:
             log.exception("failed answering %s %s", req.method, req.raw_path)
-            if status == 0 and not self.closed:
+            if not self.head_written and not self.closed:
                 # Nothing written yet: a 500 keeps the client from hanging.
                 status = 500
                 req.keep_alive = False
@@ -381,6 +383,7 @@ class HttpProtocol(asyncio.Protocol):
         no_body = resp.status in (204, 304) or resp.status < 200
         length = b"" if no_body else b"content-length: %d\r\n" % len(body)
         head = self._head(req, resp.status, resp.encoded_headers() + length) + _CRLF
+        self.head_written = True
         if req.method == "HEAD" or no_body or not body:
             self.transport.write(head)
         elif len(body) < 16384:
@@ -402,7 +405,9 @@ class HttpProtocol(asyncio.Protocol):
             if chunked:
                 pairs.append(("transfer-encoding", "chunked"))
             pairs.extend(resp.headers)
-            self.transport.write(self._head(req, resp.status, encode_headers(pairs)) + _CRLF)
+            head = self._head(req, resp.status, encode_headers(pairs)) + _CRLF
+            self.head_written = True
+            self.transport.write(head)
             if req.method == "HEAD":
                 return
             channel = _StreamChannel(self, chunked)

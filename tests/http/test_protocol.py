@@ -667,3 +667,27 @@ def test_class_based_event_iterator_with_aclose(fake_transport, parse):
         assert log == ["aclose"]
 
     run(main())
+
+
+def test_a_response_that_cannot_be_written_becomes_500(fake_transport, parse):
+    async def main():
+        async def bad_header(req):
+            return text_response("x", headers={"x-evil": "a\r\nset-cookie: b"})
+
+        async def not_a_response(req):
+            return {"status": "ok"}
+
+        r = Router(Guard(CFG))
+        r.get("/bad", bad_header)
+        r.get("/dict", not_a_response)
+        for path in ("/bad", "/dict"):
+            proto, t = await open_conn(r, fake_transport)
+            proto.data_received(get(path))
+            await settle(proto)
+            out = t.take()
+            assert b"set-cookie" not in out
+            resp = parse(out)[0]
+            assert resp.status == 500 and resp.headers["connection"] == "close"
+            assert orjson.loads(resp.body)["error"]["type"] == "server_error"
+
+    run(main())
