@@ -13,8 +13,9 @@ Rules:
 - tool_choice: none renders no tools and parses none; auto renders them; required and
   a named function also start the assistant turn with the opening of a call
   (`<tool_call>\n` / `<tool_call>\n{"name": "NAME", "arguments": `), so even a small
-  model produces a call. That opening is model output as far as the parser is
-  concerned: generation.py feeds `Prompt.forced_text` to the parser first.
+  model produces a call; required with one tool is that tool named. The opening is
+  model output as far as the parser is concerned: generation.py feeds
+  `Prompt.forced_text` to the parser first.
 - max_tokens: default = what is left of the context after the prompt; a larger request
   is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
   token is a 400 that says by how many tokens it is too long.
@@ -92,10 +93,14 @@ def tool_names(tools: list) -> tuple[str, ...]:
     return tuple(t["function"]["name"] for t in tools)
 
 
-def forced_opening(choice: ToolChoice) -> str:
-    """The start of the assistant turn that forces a call (empty for auto / none)."""
+def forced_opening(choice: ToolChoice, names: tuple[str, ...] = ()) -> str:
+    """The start of the assistant turn that forces a call (empty for auto / none).
+
+    required with a single tool forces that tool's name too: it is the only call that
+    satisfies "required", and a small model left to write the name often writes
+    something else (an argument value)."""
     if choice.mode == "required":
-        return tool_prompt.forced_call_prefix(None)
+        return tool_prompt.forced_call_prefix(names[0] if len(names) == 1 else None)
     if choice.mode == "named":
         return tool_prompt.forced_call_prefix(choice.name)
     return ""
@@ -135,7 +140,7 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     messages = join_system(conv.messages)
     use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
     tools = conv.tools if use_tools else None
-    forced = forced_opening(conv.tool_choice) if use_tools else ""
+    forced = forced_opening(conv.tool_choice, tool_names(conv.tools)) if use_tools else ""
     special = getattr(api.tokenizer, "special_tokens", {}) or {}
     if forced and TOOL_CALL_OPEN in special:
         built = _build(api, messages, tools, conv)
