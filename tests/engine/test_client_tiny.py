@@ -137,7 +137,7 @@ def test_concurrent_requests_match_transformers_greedy(tiny, tiny_tok):
     assert h["e2e_request_latency_seconds"]["buckets"][-1][1] <= 6
 
 
-def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok):
+def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok, record_property):
     """The same seeded request twice alone gives the same tokens; beside 3 others is recorded."""
     prompt = tiny_tok.encode("continuous batching lets a new request join")
     others = [tiny_tok.encode(t) for t in ("hello", "the lazy dog " * 5, "numbers: 01234")]
@@ -159,10 +159,12 @@ def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok):
     alone1, alone2, other_seed, crowd, greedy_alone, greedy_crowd = run(main, engine_cfg(tiny))
     assert alone1 == alone2
     assert other_seed != alone1  # the seed matters
-    # Recorded, and asserted: in float32 on the CPU the tiny model's rows come out the
-    # same whatever else is in the batch (see the report for the default model in bf16).
-    assert crowd == alone1
-    assert greedy_crowd == greedy_alone
+    # Recorded, not asserted: the batch's make-up changes low bits of the logits (MKL
+    # picks a different GEMM kernel for 1, 2-3 and 4+ rows; the decoder's batched decode
+    # attention is another kernel than the single-row one), which may or may not flip a
+    # token. In float32 at this size they have come out the same.
+    record_property("seeded_alone_equals_beside_3", crowd == alone1)
+    record_property("greedy_alone_equals_beside_3", greedy_crowd == greedy_alone)
 
 
 def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
@@ -287,3 +289,14 @@ def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
     assert final.finish_reason == "stop_sequence" and final.stop_sequence == stop
     assert text == ref_text[:at]
     assert ids == ref[: len(ids)] and len(ids) < 30
+
+
+def test_context_end_and_oversized_prompt(tiny):
+    async def main(client):
+        fits = await collect(client.submit(greq("fits", [(i % 300) + 2 for i in range(60)], 100)))
+        too_long = await collect(client.submit(greq("long", [5] * 65, 4)))
+        return fits, too_long
+
+    fits, too_long = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
+    assert fits[2].finish_reason == "length" and len(fits[0]) == 4  # 60 + 4 = the whole slot
+    assert too_long[2].finish_reason == "error" and "65 tokens" in too_long[2].error

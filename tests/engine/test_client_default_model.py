@@ -1,0 +1,111 @@
+"""The engine with the real default model (SmolLM2-135M-Instruct Q4_1), through EngineClient."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
+from mashbox.engine.client import EngineClient
+
+pytestmark = pytest.mark.slow
+log = logging.getLogger(__name__)
+TIMEOUT = 300
+
+
+def chat(tok, user: str) -> list[int]:
+    """SmolLM2's ChatML turn, markers as special ids, user text as plain text."""
+    return tok.encode_marked([
+        ("<|im_start|>", True), ("system\nYou are a helpful assistant.", False), ("<|im_end|>", True),
+        ("\n", False), ("<|im_start|>", True), (f"user\n{user}", False), ("<|im_end|>", True),
+        ("\n", False), ("<|im_start|>", True), ("assistant\n", False),
+    ])
+
+
+@pytest.fixture(scope="module")
+def tok(default_model_path):
+    from mashbox.text.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+def run(coro_fn, path: str, **kw):
+    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", **{"slots": 4, "ctx": 2048, **kw})
+
+    async def main():
+        client = EngineClient(cfg, ServerConfig())
+        await client.start()
+        try:
+            await client.wait_ready(timeout=TIMEOUT)
+            return await asyncio.wait_for(coro_fn(client), TIMEOUT)
+        finally:
+            await client.stop()
+    return asyncio.run(main())
+
+
+async def collect(handle):
+    events = [ev async for ev in handle]
+    return [t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events), events[-1]
+
+
+def req(rid, ids, max_tokens, **sampling):
+    return GenerationRequest(id=rid, tenant="t", prompt_ids=tuple(ids),
+                             sampling=SamplingParams(**sampling), max_tokens=max_tokens)
+
+
+def test_concurrent_requests_eos_and_seeds(default_model_path, tok, record_property):
+    question = chat(tok, "What is the capital of France? Answer in one short sentence.")
+    others = [chat(tok, "Write a haiku about autumn."),
+              chat(tok, "List five prime numbers, separated by commas. " * 3),
+              chat(tok, "Hi")]
+    seeded = dict(temperature=0.8, top_k=40, seed=4242)
+
+    async def main(client):
+        greedy_alone = await collect(client.submit(req("g", question, 64)))
+        seeded_alone = [await collect(client.submit(req(f"s{i}", question, 32, **seeded))) for i in range(2)]
+        hs = [client.submit(req("g2", question, 64)),
+              *(client.submit(req(f"o{i}", p, 24 + 16 * i, **seeded)) for i, p in enumerate(others))]
+        crowd = await asyncio.gather(*(collect(h) for h in hs))
+        hs = [client.submit(req("s2", question, 32, **seeded)),
+              *(client.submit(req(f"p{i}", p, 20 + 10 * i)) for i, p in enumerate(others))]
+        crowd2 = await asyncio.gather(*(collect(h) for h in hs))
+        return greedy_alone, seeded_alone, crowd, crowd2, client.stats()
+
+    greedy_alone, seeded_alone, crowd, crowd2, stats = run(main, default_model_path)
+    ids, text, final = greedy_alone
+    assert final.finish_reason == "stop", (text, final)  # <|im_end|> ends the turn
+    assert "Paris" in text and "<|im_end|>" not in text
+    assert ids[-1] in tok.eos_ids
+    assert seeded_alone[0][0] == seeded_alone[1][0]  # a seed alone repeats exactly
+    for r in crowd + crowd2:  # every request of the mixed batches completes
+        assert r[2].finish_reason in ("stop", "length") and r[0]
+    assert stats["requests_finished"]["stop"] + stats["requests_finished"].get("length", 0) == 11
+    # Batch invariance is recorded, not asserted: see the engine report (bf16 down_proj
+    # and the batched decode attention change low bits with the batch's make-up).
+    greedy_same = crowd[0][0] == ids
+    seeded_same = crowd2[0][0] == seeded_alone[0][0]
+    record_property("greedy_alone_equals_beside_3", greedy_same)
+    record_property("seeded_alone_equals_beside_3", seeded_same)
+    log.warning("default model: greedy alone == beside 3 others: %s; seeded: %s", greedy_same, seeded_same)
+
+
+def test_prefix_reuse_of_a_1000_token_prefix(default_model_path, tok):
+    text = ("The lighthouse keeper climbed the stairs every evening, counting the steps, "
+            "watching the sea change colour as the sun went down over the harbour. ") * 40
+    prefix = tok.encode(text)[:1000]
+    assert len(prefix) == 1000
+    first = prefix + tok.encode(" Question: who climbed the stairs?")
+    second = prefix + tok.encode(" Summary in one line:")
+    assert first[1000] != second[1000]
+
+    async def main(client):
+        a = await collect(client.submit(req("a", first, 8)))
+        b = await collect(client.submit(req("b", second, 8)))
+        return a, b, client.stats()
+
+    a, b, stats = run(main, default_model_path, slots=2, prefill_chunk=512)
+    assert a[2].timings.prompt_n == len(first) and a[2].timings.cache_n == 0
+    assert b[2].timings.cache_n == 1000
+    assert b[2].timings.prompt_n == len(second) - 1000  # only the new tokens
+    assert stats["prefix_cache_lookups"] == 2 and stats["prefix_cache_hit_tokens"] == 1000
