@@ -97,6 +97,30 @@ def _strftime_now(fmt):
     return datetime.now().strftime(fmt)
 
 
+class _Namespace(jinja2.utils.Namespace):
+    """jinja's namespace(), refusing underscore names (no way in to CPython internals)."""
+
+    def __init__(*args, **kwargs):  # noqa: N805 - jinja's own signature trick
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+def _make_dict(*args, **kwargs):
+    return dict(*args, **kwargs)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
@@ -104,7 +128,25 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
+    env.globals["dict"] = _make_dict
     return env
+
+
+# A message's earlier reasoning may come under any of these names; templates read
+# `reasoning_content` (Qwen, DeepSeek) or `thinking` (gpt-oss). HF fills both.
+_REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    reasoning = next(
+        (message[k] for k in _REASONING_NAMES if message.get(k) is not None), None
+    )
+    if reasoning is None:
+        return message
+    out = {"thinking": reasoning, **message}
+    out["reasoning_content"] = reasoning
+    return out
 
 
 class ChatTemplate:
@@ -189,7 +231,7 @@ class ChatTemplate:
     def _render_protected(self, messages, tools, add_generation_prompt, kwargs, prefix=""):
         """(rendered text with placeholders, {placeholder: special string}); `prefix` is
         appended to the rendered text, protected the same way."""
-        messages = [dict(m) for m in messages]
+        messages = [_with_reasoning_aliases(dict(m)) for m in messages]
         for m in messages:
             if m.get("content") is None:
                 m["content"] = ""
@@ -213,6 +255,7 @@ class ChatTemplate:
         variables.update(data["kwargs"])
         variables["messages"] = data["messages"]
         variables["tools"] = data["tools"]
+        variables.setdefault("documents", None)
         variables["add_generation_prompt"] = add_generation_prompt
         try:
             text = self._template.render(**variables)

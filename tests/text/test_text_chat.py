@@ -196,6 +196,9 @@ CONVENTIONS = r"""
   {% generation %}[{{ m.role }}] {{ m.content | trim }}{% endgeneration %}
 {% endfor %}
 {{ meta | tojson }}|{{ meta | tojson(indent=2) }}|{{ custom_var }}|{{ bos_token }}{{ eos_token }}
+{%- set ns = namespace(n=0, thoughts='') %}
+{%- for m in messages %}{% set ns.n = ns.n + 1 %}{% if m.thinking %}{% set ns.thoughts = ns.thoughts + m.thinking + '/' + m.reasoning_content %}{% endif %}{% endfor %}
+{{ ns.n }} {{ ns.thoughts }} {{ dict(b=2, a=1) | tojson }} {{ documents is none }}
 """
 
 
@@ -203,7 +206,7 @@ def test_template_conventions_equal_transformers(qwen, qwen_ref):
     conv = [
         {"role": "user", "content": "  a  "},
         {"role": "skip", "content": "hidden"},
-        {"role": "assistant", "content": "b"},
+        {"role": "assistant", "content": "b", "reasoning": "why"},
         {"role": "stop", "content": ""},
         {"role": "user", "content": "never"},
     ]
@@ -213,6 +216,12 @@ def test_template_conventions_equal_transformers(qwen, qwen_ref):
     assert ours == ref
     assert '{"z": "é<>&", "a": [1, 2]}' in ours  # no ASCII / HTML escaping, keys in order
     assert "hidden" not in ours and "never" not in ours
+    assert "5 why/why" in ours  # reasoning under any name reaches `thinking` and `reasoning_content`
+
+
+def test_namespace_refuses_underscore_names(qwen):
+    with pytest.raises(TemplateError):
+        ChatTemplate(qwen, source="{% set ns = namespace(_x=1) %}").render([])
 
 
 def test_raise_exception_and_strftime_now(qwen):
