@@ -301,3 +301,21 @@ def test_arbitrary_output_any_split(output, data):
     chunks = [output[a:b] for a, b in zip([0, *cuts], [*cuts, len(output)])]
     assert parse(chunks, tools=True, reasoning=True) == whole
     assert parse(list(output), tools=True, reasoning=True) == whole
+
+
+def test_model_specific_reasoning_markers():
+    output = "[THINK]plan it[/THINK]Answer with <think> kept as text."
+    for chunks in splits_at_every_boundary(output):
+        assert parse(chunks, reasoning=True, think_tags=("[THINK]", "[/THINK]")) == [
+            Reasoning("plan it"),
+            Text("Answer with <think> kept as text."),
+        ]
+
+
+def test_pieces_are_frozen_values():
+    import dataclasses
+
+    piece = ToolCallStart(0, "call_1", "f")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        piece.name = "g"
+    assert piece.kind == "tool_call_start" and Text("x").kind == "text"
