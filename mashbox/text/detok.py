@@ -15,7 +15,9 @@ Rules:
   number of U+FFFD (and whether a stray ASCII byte inside the group shows) may differ
   from one whole decode. Valid output is always identical.
 - Special tokens (EOS, control tokens) are skipped; added non-special tokens such as
-  `<think>` are kept, since the output parser reads them.
+  `<think>` are kept, since the output parser reads them. So are the parser's tags when a
+  vocabulary marks them special (some GGUF files mark `<think>` as a control token):
+  skipped ids are dropped as they arrive and the window is decoded with nothing skipped.
 - Prompts are encoded from text, so they end on a character boundary; the window's
   first text is taken as already shown.
 - Per token the work is one decode of a window whose length is bounded by the longest
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from mashbox.text.parsers import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN
 from mashbox.text.tokenizer import Tokenizer
 
 # How many prompt tokens the first window reaches back: enough context for the first new
@@ -34,10 +37,24 @@ PROMPT_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
 
 
+# Special tokens whose text the output parser needs to see.
+PARSER_TAGS = (THINK_OPEN, THINK_CLOSE, CALL_OPEN, CALL_CLOSE)
+
+
+def skipped_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The special-token ids that produce no text."""
+    return frozenset(i for t, i in tokenizer.special_tokens.items() if t not in PARSER_TAGS)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
         self._hf = tokenizer.hf
-        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
+        skip = tokenizer._detok_skip
+        if skip is None:  # computed once per tokenizer, not per request
+            skip = skipped_ids(tokenizer)
+            tokenizer._detok_skip = skip
+        self._skip = skip
+        self._ids: list[int] = [i for i in prompt_ids[-PROMPT_CONTEXT:] if i not in skip]
         self._read_offset = len(self._ids)  # ids before this are shown
         self._prefix_offset = 0  # window start: ids before this are never decoded again
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
@@ -45,11 +62,12 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self._hf.decode(self._ids[start:end], skip_special_tokens=True)
+        return self._hf.decode(self._ids[start:end], skip_special_tokens=False)
 
     def push(self, ids: Iterable[int]) -> str:
         """Take new ids; return the text they complete ("" while a character is open)."""
-        self._ids.extend(ids)
+        skip = self._skip
+        self._ids.extend(i for i in ids if i not in skip)
         text = self._decode(self._prefix_offset, len(self._ids))
         if len(text) <= len(self._prefix_text) or text.endswith(_REPLACEMENT):
             return ""

@@ -95,6 +95,7 @@ class Tokenizer:
     source: str = ""
     _plain: HFTokenizer = field(default=None, repr=False)  # type: ignore[assignment]
     _plain_cont: HFTokenizer = field(default=None, repr=False)  # type: ignore[assignment]
+    _detok_skip: Optional[frozenset] = field(default=None, repr=False)  # detok.py's cache
 
     def __post_init__(self):
         self.hf.post_processor = None

@@ -97,3 +97,24 @@ def test_window_stays_short(smol):
         d.push([i])
         widest = max(widest, len(d._ids) - d._prefix_offset)
     assert widest <= 8
+
+
+def test_parser_tags_kept_even_when_marked_special(tmp_path, qwen_dir):
+    """Some GGUF files mark <think> / <tool_call> as control tokens; the parser must
+    still see them, while real control tokens stay hidden."""
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(qwen_dir, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        if t["content"] in ("<think>", "</think>", "<tool_call>"):
+            t["special"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer(str(folder))
+    assert "<think>" in tok.special_tokens
+    think, end_think, call = (tok.token_id(t) for t in ("<think>", "</think>", "<tool_call>"))
+    gen = [think, *tok.encode("plan"), end_think, *tok.encode("ok"), call, tok.token_id("<|im_end|>")]
+    got, _ = run(tok, [tok.token_id("<|im_start|>"), *tok.encode("assistant\n")], gen, [1] * len(gen))
+    assert got == "<think>plan</think>ok<tool_call>"
