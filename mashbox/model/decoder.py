@@ -129,7 +129,7 @@ class Decoder:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         c = self.config
         T = batch.input_ids.shape[0]
-        plan = _Plan(batch, cache, c, self.device)
+        plan = _Plan(batch, cache, c, self.dtype, self.device)
         rope = self._rope_table(cache.ctx)
         cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = rope.sin[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
@@ -166,7 +166,9 @@ class Decoder:
 class _Plan:
     """One forward's attention plan: index tensors and masks shared by every layer."""
 
-    def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, device: torch.device):
+    def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
+                 device: torch.device):
+        self.dtype = dtype
         rows = len(batch.row_slots)
         if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
             raise ValueError("batch rows: row_slots, row_starts and row_lens must be non-empty and equal in length")
@@ -179,7 +181,7 @@ class _Plan:
         token_slots: list[int] = []
         last: list[int] = []
         self.window = window
-        # (t0, n, slot, first key, end key, mask [n, end - first] or None for plain causal)
+        # (t0, n, slot, first key, end key, additive mask [n, end - first] or None for plain causal)
         self.prefills: list[tuple[int, int, int, int, int, Optional[torch.Tensor]]] = []
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         t0 = 0
@@ -205,11 +207,18 @@ class _Plan:
                     qpos = torch.arange(0, n, device=device).unsqueeze(1)
                     kpos = torch.arange(0, n, device=device).unsqueeze(0)
                     mask = (kpos <= qpos) & (kpos > qpos - window)
-                self.prefills.append((t0, n, slot, lo, end, mask))
+                self.prefills.append((t0, n, slot, lo, end, None if mask is None else self._additive(mask)))
             t0 += n
         self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self._plan_decodes(decodes, window, device)
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Bool mask -> 0 / -inf in the model dtype, made once per forward: SDPA on CPU
+        converts a bool mask on every call, which costs more than the attention itself
+        for short decode rows."""
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(
+            ~allowed, float("-inf"))
 
     def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int],
                       device: torch.device) -> None:
@@ -243,7 +252,7 @@ class _Plan:
         present = token_index >= 0
         self.batched = (
             lo_slot, hi_slot, kv_lo, kv_len,
-            mask.view(span, 1, 1, kv_len - kv_lo),
+            self._additive(mask).view(span, 1, 1, kv_len - kv_lo),
             token_index.clamp(min=0).to(device),  # [span] the token of each slot in range
             torch.nonzero(present).flatten().to(device),  # [decodes] range index of each row
             token_index[present].to(device),  # [decodes] their tokens
@@ -253,13 +262,15 @@ class _Plan:
                out: torch.Tensor) -> None:
         """q [T, heads, head_dim]; caches [slots, kv_heads, ctx, head_dim]; out [T, heads*head_dim]."""
         KV, G, D = self.kv_heads, self.group, self.head_dim
+        # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
+        # math kernel.
         for t0, n, slot, lo, end_len, mask in self.prefills:
-            qr = q[t0:t0 + n].transpose(0, 1)  # [heads, n, head_dim]
-            kr = k_cache[slot, :, lo:end_len]  # [kv_heads, L, head_dim]
-            vr = v_cache[slot, :, lo:end_len]
+            qr = q[t0:t0 + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
+            kr = k_cache[slot:slot + 1, :, lo:end_len]  # [1, kv_heads, L, head_dim]
+            vr = v_cache[slot:slot + 1, :, lo:end_len]
             o = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=G > 1)  # [heads, n, head_dim]
-            out[t0:t0 + n] = o.transpose(0, 1).reshape(n, -1)
+                                               enable_gqa=G > 1)  # [1, heads, n, head_dim]
+            out[t0:t0 + n] = o[0].transpose(0, 1).reshape(n, -1)
         if self.batched is not None:
             lo_slot, hi_slot, kv_lo, kv_len, mask, token_of_slot, rows_in_range, row_tokens = self.batched
             span = hi_slot - lo_slot
@@ -271,8 +282,9 @@ class _Plan:
             return
         for t, slot, length in self.decodes:
             lo = self._decode_lo(length)
-            qr = q[t].view(KV, G, D)
-            o = F.scaled_dot_product_attention(qr, k_cache[slot, :, lo:length], v_cache[slot, :, lo:length])
+            qr = q[t].view(1, KV, G, D)  # the group's query heads share their K/V head
+            o = F.scaled_dot_product_attention(qr, k_cache[slot:slot + 1, :, lo:length],
+                                               v_cache[slot:slot + 1, :, lo:length])
             out[t] = o.reshape(-1)
 
     def _decode_lo(self, length: int) -> int:
