@@ -9,9 +9,10 @@ Rules:
 - forward() writes each new token's K/V into its slot at its position, attends over the
   slot's cache [0, row_start + row_len), and returns float32 logits of each row's last
   token only: the output head never runs on the other prefill tokens.
-- Weights are fused at construction: q|k|v into one matrix, gate|up into one. The
-  Decoder takes ownership of the `tensors` dict and empties it, so the unfused copies
-  are freed as the fused ones are built (one layer at a time).
+- Weights are fused: q|k|v into one matrix, gate|up into one. The loader already
+  places the parts side by side (fused_layout.py), so fusing is a view; parts from
+  elsewhere are concatenated. The Decoder takes ownership of the `tensors` dict and
+  empties it, so unfused parts are freed as the fused ones are built.
 - GQA never materialises repeated K/V: a decode row's q is viewed as
   [kv_heads, group, head_dim] against the slot's [kv_heads, L, head_dim] keys; prefill
   uses SDPA's enable_gqa.
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
+from mashbox.model.fused_layout import fuse
 from mashbox.model.kv_cache import KVCache
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
@@ -89,12 +91,12 @@ class Decoder:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = torch.cat([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
+            qkv = fuse([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
                              take(a + "k_proj.weight", (c.kv_size, c.hidden_size)),
                              take(a + "v_proj.weight", (c.kv_size, c.hidden_size))])
             qkv_bias = None
             if c.attention_bias:
-                qkv_bias = torch.cat([take(a + "q_proj.bias", (c.q_size,)),
+                qkv_bias = fuse([take(a + "q_proj.bias", (c.q_size,)),
                                       take(a + "k_proj.bias", (c.kv_size,)),
                                       take(a + "v_proj.bias", (c.kv_size,))])
             qk_norm = None
@@ -103,7 +105,7 @@ class Decoder:
                                      take(a + "k_norm.weight", (c.head_dim,)).expand(c.num_kv_heads, -1)])
             o_bias = take.optional(a + "o_proj.bias", (c.hidden_size,))
             m = p + "mlp."
-            gate_up = torch.cat([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+            gate_up = fuse([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                                  take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             self.layers.append(_Layer(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),

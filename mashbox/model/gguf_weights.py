@@ -17,13 +17,14 @@ import logging
 import os
 import re
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
 from mashbox.model import quants
 from mashbox.model.errors import ModelError
+from mashbox.model.fused_layout import FusedLayout
 from mashbox.model.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,33 @@ def _unpermute_rows(n_heads: int, rows: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_heads, half, 2).transpose(1, 2).reshape(rows)
 
 
+def _reader_class():
+    """gguf.GGUFReader that parses through a plain ndarray view of its mapping.
+
+    GGUFReader slices its np.memmap once per metadata value, and numpy's memmap subclass
+    hooks make that three times slower than slicing an ndarray: over a second for the
+    ~100k tokenizer strings of a small model. The view keeps the mapping alive (it is its
+    base). Deferred import: gguf is only needed for GGUF files.
+    """
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._plain = value.view(np.ndarray)
+
+    return Reader
+
+
 class GGUFWeights:
     def __init__(self, path: str):
         self.path = path
         try:
-            # deferred: gguf is heavy to import and only GGUF loads need it
-            import gguf
-
-            self._reader = gguf.GGUFReader(path, "c")
+            self._reader = _reader_class()(path, "c")
         except FileNotFoundError:
             raise ModelError(f"model file not found: {path}") from None
         except (ValueError, IndexError, KeyError, OSError, TypeError) as e:
@@ -170,8 +190,10 @@ class GGUFWeights:
     def nbytes(self) -> int:
         return sum(int(t.n_bytes) for t in self._reader.tensors)
 
-    def tensors(self, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor in `dtype` on `device`) one tensor at a time."""
+    def tensors(self, dtype: torch.dtype, device: torch.device,
+                layout: Optional[FusedLayout] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor in `dtype` on `device`) one tensor at a time; members of
+        fused weights are written into `layout`'s buffers."""
         cfg = self.config
         permute = cfg.arch in _PERMUTED_ARCHES
         todo = [t for t in self._reader.tensors if t.name != "rope_freqs.weight"]
@@ -193,9 +215,12 @@ class GGUFWeights:
                 perm = _unpermute_rows(heads, shape[0])
                 if len(shape) == 2:
                     raw = raw[perm]  # permutes the quantized rows: a copy of bytes, not floats
-            value = quants.dequantize(raw, type_name, shape[-1], dtype, device).reshape(shape)
+            dest = layout.destination(name, tuple(shape)) if layout is not None else None
+            value = quants.dequantize(raw, type_name, shape[-1], dtype, device,
+                                      out=None if dest is None else dest.view(rows, shape[-1]))
+            value = value.view(shape)
             if perm is not None and len(shape) == 1:
-                value = value[perm.to(device)]
+                value.copy_(value[perm.to(device)])
             done_bytes += int(t.n_bytes)
             now = time.monotonic()
             if now - last >= PROGRESS_EVERY_S:

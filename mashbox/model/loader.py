@@ -4,7 +4,9 @@ Rules:
 - `path` is an HF model folder (config.json + model.safetensors, or shards listed in
   model.safetensors.index.json) or a .gguf file. Tensors come back with HF names in the
   requested dtype and device, converted one at a time so two copies of the weights are
-  never alive together.
+  never alive together. Parts of the decoder's fused weights (q|k|v, gate|up) are
+  written side by side into one buffer each (fused_layout.py); they are still returned
+  under their own names, as views.
 - A tied embedding is kept once, as model.embed_tokens.weight (the decoder uses it as
   the output head); a stray lm_head.weight next to it is dropped.
 - Everything that can go wrong with the files raises ModelError naming the path.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mashbox.model.errors import ModelError
+from mashbox.model.fused_layout import FusedLayout
 from mashbox.model.gguf_weights import GGUFWeights
 from mashbox.model.model_config import ModelConfig
 
@@ -52,7 +55,8 @@ def load(path: str, dtype: torch.dtype, device: torch.device) -> LoadedWeights:
         weights = GGUFWeights(path)
         tensors: dict[str, torch.Tensor] = {}
         with torch.inference_mode(False), torch.no_grad():
-            for name, value in weights.tensors(dtype, device):
+            layout = FusedLayout(weights.config, dtype, device)
+            for name, value in weights.tensors(dtype, device, layout):
                 tensors[name] = value
         _drop_tied_head(weights.config, tensors)
         return LoadedWeights(weights.config, tensors, path, weights.bits_per_weight)
@@ -102,6 +106,7 @@ def _load_hf(folder: str, dtype: torch.dtype, device: torch.device) -> LoadedWei
     config = ModelConfig.from_hf(_read_json(_hf_file(folder, "config.json")))
     weights_file, files = _shards(folder)
     tensors: dict[str, torch.Tensor] = {}
+    layout = FusedLayout(config, dtype, device)
     bits = elements = 0
     start = last = time.monotonic()
     for i, file in enumerate(files):
@@ -117,7 +122,11 @@ def _load_hf(folder: str, dtype: torch.dtype, device: torch.device) -> LoadedWei
                         count *= d
                     bits += _SAFETENSORS_BITS.get(meta.get_dtype(), 16) * count
                     elements += count
-                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    dest = layout.destination(name, tuple(n))
+                    if dest is None:
+                        tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    else:
+                        tensors[name] = dest.copy_(f.get_tensor(name))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ModelError(f"cannot read {file} (corrupt or truncated?): {e}") from None
         now = time.monotonic()

@@ -18,62 +18,57 @@ import torch
 
 from mashbox.model.errors import ModelError
 
-CHUNK_ELEMENTS = 1 << 22
+CHUNK_ELEMENTS = 1 << 21  # float32 intermediates of a chunk: a few times 8 MB
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[n, 2k] uint8 -> [n, k] float32, little-endian float16 pairs."""
+    """[n, 2k] uint8 -> [n, k] float32, little-endian float16 values."""
     return b.contiguous().view(torch.float16).float()
 
 
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] uint8 -> [n, 32] float32: low nibbles are elements 0..15, high ones 16..31."""
+    return torch.stack((qs & 0x0F, qs >> 4), dim=1).reshape(qs.shape[0], 32).float()
+
+
+# The decoders below build one float32 tensor and scale it in place: fewer passes over
+# memory than chained out-of-place ops, which is most of the load time.
+
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    # block of 32: d f16 | qs[16]: element j in the low nibble of qs[j], j+16 in the high one
+    # block of 32: d f16 | qs[16] (nibbles); value = (q - 8) * d
     d = _f16(b[:, 0:2])
-    qs = b[:, 2:18]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float() - 8.0
-    return q * d
+    return _nibbles(b[:, 2:18]).sub_(8.0).mul_(d)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    # block of 32: d f16 | m f16 | qs[16] as in q4_0; value = q * d + m
-    d = _f16(b[:, 0:2])
-    m = _f16(b[:, 2:4])
-    qs = b[:, 4:20]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1).float()
-    return q * d + m
+    # block of 32: d f16 | m f16 | qs[16] (nibbles); value = q * d + m
+    dm = _f16(b[:, 0:4])  # [n, 2]
+    return _nibbles(b[:, 4:20]).mul_(dm[:, 0:1]).add_(dm[:, 1:2])
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
-    """[n, 4] uint8 (a little-endian uint32) -> [n, 32] its bits 0..31 as 0/1 uint8."""
+    """[n, 4] uint8 (a little-endian uint32) -> [n, 32] float32 of bit j * 16."""
     shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
     bits = (qh.unsqueeze(-1) >> shifts) & 1  # [n, 4, 8]: byte i bit k = bit 8i+k
-    return bits.reshape(qh.shape[0], 32)
+    return bits.reshape(qh.shape[0], 32).float().mul_(16.0)
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    # block of 32: d f16 | qh u32 (the 5th bit of element j is bit j) | qs[16] as in q4_0
+    # block of 32: d f16 | qh u32 (the 5th bit of element j is bit j) | qs[16] (nibbles)
     d = _f16(b[:, 0:2])
-    hi = _high_bits(b[:, 2:6])
-    qs = b[:, 6:22]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1) | (hi << 4)
-    return (q.float() - 16.0) * d
+    return _nibbles(b[:, 6:22]).add_(_high_bits(b[:, 2:6])).sub_(16.0).mul_(d)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     # block of 32: d f16 | m f16 | qh u32 | qs[16]; value = q * d + m
-    d = _f16(b[:, 0:2])
-    m = _f16(b[:, 2:4])
-    hi = _high_bits(b[:, 4:8])
-    qs = b[:, 8:24]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=1) | (hi << 4)
-    return q.float() * d + m
+    dm = _f16(b[:, 0:4])
+    return _nibbles(b[:, 8:24]).add_(_high_bits(b[:, 4:8])).mul_(dm[:, 0:1]).add_(dm[:, 1:2])
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
     # block of 32: d f16 | qs int8[32]
     d = _f16(b[:, 0:2])
-    q = b[:, 2:34].contiguous().view(torch.int8).float()
-    return q * d
+    return b[:, 2:34].contiguous().view(torch.int8).float().mul_(d)
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,33 +84,35 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 128] uint8 -> [n, 8, 32] uint8: each 32 bytes hold two sub-blocks of 32,
+    low nibbles the first, high nibbles the second."""
+    qs = qs.reshape(qs.shape[0], 4, 1, 32)
+    return torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(qs.shape[0], 8, 32)
+
+
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    # super-block of 256: d f16 | dmin f16 | scales[12] | qs[128]. Sub-blocks of 32; each
-    # 32 bytes of qs hold two sub-blocks: low nibbles the first, high nibbles the second.
+    # super-block of 256: d f16 | dmin f16 | scales[12] | qs[128]; sub-blocks of 32,
+    # value = d * scale * q - dmin * min
     n = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
+    dd = _f16(b[:, 0:4])  # [n, 2]: d, dmin
     sc, mn = _k_scales(b[:, 4:16])
-    qs = b[:, 16:144].reshape(n, 4, 1, 32)
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, 8, 32).float()
-    out = q * (d * sc).unsqueeze(-1) - (dmin * mn).unsqueeze(-1)
-    return out.reshape(n, 256)
+    q = _k_nibbles(b[:, 16:144]).float()
+    q.mul_((dd[:, 0:1] * sc).unsqueeze(-1)).sub_((dd[:, 1:2] * mn).unsqueeze(-1))
+    return q.reshape(n, 256)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    # super-block of 256: d | dmin | scales[12] | qh[32] | qs[128]; the 5th bit of sub-block
-    # i's element l is bit i of qh[l].
+    # super-block of 256: d | dmin | scales[12] | qh[32] | qs[128]; the 5th bit of
+    # sub-block i's element l is bit i of qh[l].
     n = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
+    dd = _f16(b[:, 0:4])
     sc, mn = _k_scales(b[:, 4:16])
-    qh = b[:, 16:48]
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
-    hi = (qh.unsqueeze(1) >> shifts) & 1  # [n, 8, 32]
-    qs = b[:, 48:176].reshape(n, 4, 1, 32)
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=2).reshape(n, 8, 32) | (hi << 4)
-    out = q.float() * (d * sc).unsqueeze(-1) - (dmin * mn).unsqueeze(-1)
-    return out.reshape(n, 256)
+    hi = (b[:, 16:48].unsqueeze(1) >> shifts) & 1  # [n, 8, 32]
+    q = (_k_nibbles(b[:, 48:176]) | (hi << 4)).float()
+    q.mul_((dd[:, 0:1] * sc).unsqueeze(-1)).sub_((dd[:, 1:2] * mn).unsqueeze(-1))
+    return q.reshape(n, 256)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
@@ -130,10 +127,9 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 208:210])
     low = torch.cat((ql & 0x0F, ql >> 4), dim=2)  # [n, half, j, l]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 1, 4, 1)
-    high = (qh >> shifts) & 3
-    q = (low | (high << 4)).float() - 32.0  # [n, 2, 4, 32] = 256 in element order
-    out = q.reshape(n, 16, 16) * (d * scales).unsqueeze(-1)
-    return out.reshape(n, 256)
+    q = (low | (((qh >> shifts) & 3) << 4)).float().sub_(32.0)  # [n, 2, 4, 32] = 256 in order
+    q = q.reshape(n, 16, 16).mul_((d * scales).unsqueeze(-1))
+    return q.reshape(n, 256)
 
 
 # ggml type name -> (elements per block, bytes per block, decoder of [blocks, bytes]).
@@ -160,23 +156,29 @@ def bits_per_weight(type_name: str) -> float:
     return 8.0 * nbytes / per_block
 
 
-def dequantize(raw: torch.Tensor, type_name: str, row_elements: int,
-               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """raw [rows, row_bytes] uint8 (CPU, may be a file mapping) -> [rows, row_elements]."""
+def dequantize(raw: torch.Tensor, type_name: str, row_elements: int, dtype: torch.dtype,
+               device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """raw [rows, row_bytes] uint8 (CPU, may be a file mapping) -> [rows, row_elements].
+
+    `out`, when given, is the [rows, row_elements] destination (e.g. a slice of a fused
+    weight); otherwise one is allocated.
+    """
     rows = raw.shape[0]
+    if out is None:
+        out = torch.empty(rows, row_elements, dtype=dtype, device=device)
+    elif tuple(out.shape) != (rows, row_elements):
+        raise ValueError(f"out has shape {tuple(out.shape)}, not {(rows, row_elements)}")
     if type_name in _PLAIN_DTYPES:
-        src = raw.reshape(-1).view(_PLAIN_DTYPES[type_name]).reshape(rows, row_elements)
-        return src.to(device=device, dtype=dtype, copy=True)
+        out.copy_(raw.reshape(-1).view(_PLAIN_DTYPES[type_name]).reshape(rows, row_elements))
+        return out
     if type_name not in _BLOCK_DECODERS:
         raise ModelError(f"GGML tensor type {type_name} is not supported; "
                          f"supported: {', '.join(SUPPORTED_TYPES)}")
     per_block, nbytes, decode = _BLOCK_DECODERS[type_name]
     if row_elements % per_block or raw.shape[1] != row_elements // per_block * nbytes:
         raise ModelError(f"{type_name} tensor rows of {row_elements} elements do not fit its blocks")
-    out = torch.empty(rows, row_elements, dtype=dtype, device=device)
     step = max(1, CHUNK_ELEMENTS // row_elements)
     for r0 in range(0, rows, step):
-        chunk = raw[r0:r0 + step].to(device)
-        blocks = chunk.reshape(-1, nbytes)
-        out[r0:r0 + step] = decode(blocks).reshape(-1, row_elements)
+        chunk = raw[r0:r0 + step].to(out.device)
+        out[r0:r0 + step] = decode(chunk.reshape(-1, nbytes)).reshape(-1, row_elements)
     return out

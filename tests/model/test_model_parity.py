@@ -190,3 +190,29 @@ def test_weights_that_do_not_match_the_config_raise_model_error(tiny_dir):
     weights.tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
     with pytest.raises(ModelError, match="up_proj"):
         Decoder(weights.config, weights.tensors, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "llama"])
+def test_fused_weights_are_the_loaded_buffers_not_copies(tiny_dir, variant):
+    weights = loader.load(str(make_tiny(tiny_dir, variant)), torch.float32, CPU)
+    a = "model.layers.1.self_attn."
+    q_ptr = weights.tensors[a + "q_proj.weight"].data_ptr()
+    gate_ptr = weights.tensors["model.layers.1.mlp.gate_proj.weight"].data_ptr()
+    bias_ptr = weights.tensors[a + "q_proj.bias"].data_ptr() if weights.config.attention_bias else None
+    decoder = Decoder(weights.config, weights.tensors, torch.float32, CPU)
+    layer = decoder.layers[1]
+    assert layer.qkv.data_ptr() == q_ptr
+    assert layer.gate_up.data_ptr() == gate_ptr
+    if bias_ptr is not None:
+        assert layer.qkv_bias.data_ptr() == bias_ptr
+
+
+def test_fuse_copies_parts_that_are_not_adjacent():
+    from mashbox.model.fused_layout import fuse
+
+    buf = torch.arange(24.0).reshape(6, 4)
+    assert fuse([buf[0:2], buf[2:6]]).data_ptr() == buf.data_ptr()
+    apart = fuse([buf[0:2], buf[3:6]])  # a gap: must be a real concatenation
+    assert torch.equal(apart, torch.cat([buf[0:2], buf[3:6]]))
+    swapped = fuse([buf[2:4], buf[0:2]])
+    assert torch.equal(swapped, torch.cat([buf[2:4], buf[0:2]]))
