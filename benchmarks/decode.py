@@ -23,7 +23,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the repository root instead of this folder: benchmarks/http.py would shadow the stdlib
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
@@ -105,6 +108,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48, help="new tokens per request")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -114,7 +118,7 @@ def main() -> int:
 
         path = str(registry.pull(registry.DEFAULT_MODEL_ID, quiet=True))
     cfg = EngineConfig(model_path=path, model_id="bench", slots=8, ctx=512,
-                       dtype=args.dtype, device=args.device)
+                       dtype=args.dtype, device=args.device, threads=args.threads)
     engine = Engine(cfg)
     r = engine.runner
     decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches

@@ -450,6 +450,7 @@ class EngineClient:
             "prefix_cache_hits": counters.get("prefix_hits", 0),
             "prefix_cache_hit_tokens": counters.get("prefix_hit_tokens", 0),
             "preemptions": 0,
+            "compiles_after_ready": 0 if self.state == "ok" else None,  # eager torch: none
             "histograms": {
                 "time_to_first_token_seconds": self.h_ttft.to_dict(),
                 "queue_time_seconds": self.h_queue.to_dict(),

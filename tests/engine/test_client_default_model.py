@@ -31,7 +31,9 @@ def tok(default_model_path):
 
 
 def run(coro_fn, path: str, **kw):
-    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", **{"slots": 4, "ctx": 2048, **kw})
+    # one torch thread: on a shared 2-core machine OpenMP barriers with a busy second
+    # core cost milliseconds per op
+    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", **{"slots": 4, "ctx": 2048, "threads": 1, **kw})
 
     async def main():
         client = EngineClient(cfg, ServerConfig())

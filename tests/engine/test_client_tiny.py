@@ -300,3 +300,42 @@ def test_context_end_and_oversized_prompt(tiny):
     fits, too_long = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
     assert fits[2].finish_reason == "length" and len(fits[0]) == 4  # 60 + 4 = the whole slot
     assert too_long[2].finish_reason == "error" and "65 tokens" in too_long[2].error
+
+
+def hf_greedy_penalized(folder: str, prompt, n: int, rep: float, freq: float, pres: float) -> list[int]:
+    """transformers logits, penalties applied by hand: repetition (HF rule) on prompt +
+    generated ids, frequency / presence (OpenAI rule) on generated ids only."""
+    import torch
+    from tiny_model import _cached_model
+
+    model = _cached_model(folder)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            x = model(torch.tensor([ids])).logits[0, -1].clone()
+            seen = torch.tensor(sorted(set(ids)))
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / rep, v * rep)
+            for t in set(out):
+                x[t] -= freq * out.count(t) + pres
+            t = int(torch.argmax(x))
+            out.append(t)
+            ids.append(t)
+    return out
+
+
+def test_penalties_read_prompt_and_generated_history(tiny, tiny_tok):
+    prompt = tiny_tok.encode("hello hello world, the quick brown fox")
+    plain = hf_greedy(tiny, prompt, 16)
+    want = hf_greedy_penalized(tiny, prompt, 16, rep=1.8, freq=0.6, pres=0.4)
+    assert want != plain  # the penalties change this output, so the test can tell
+
+    async def main(client):
+        pen = client.submit(greq("pen", prompt, 16, repetition_penalty=1.8,
+                                 frequency_penalty=0.6, presence_penalty=0.4))
+        other = client.submit(greq("plain", prompt, 16))  # same batch, no penalties
+        return await asyncio.gather(collect(pen), collect(other))
+
+    pen, other = run(main, engine_cfg(tiny))
+    assert pen[0] == want
+    assert other[0] == plain
