@@ -1,8 +1,9 @@
 """device_and_dtype: the one place that chooses the torch device and the compute dtype.
 
 cuda when torch.cuda.is_available() (or asked for), else cpu. dtype "auto" is measured,
-not guessed: a decode-shaped matmul ([8, hidden] x [hidden, 4*hidden]) is timed in
-float32 and bfloat16 on the chosen device and the faster wins.
+not guessed: decode-shaped matmuls ([8, hidden] x [hidden, 4*hidden], over more weights
+than the caches hold) are timed in float32 and bfloat16 on the chosen device and the
+faster wins.
 """
 from __future__ import annotations
 
@@ -30,19 +31,28 @@ def pick_device(device: str) -> torch.device:
     raise ModelError(f"device must be auto, cpu or cuda, not {device!r}")
 
 
+PROBE_BYTES = 128 << 20  # float32 weights the probe streams through: more than any cache
+
+
 def _matmul_seconds(device: torch.device, dtype: torch.dtype, hidden: int, reps: int) -> float:
+    """Best time of one pass of [8, hidden] x [hidden, 4*hidden] over enough distinct
+    weight matrices (like a model's layers) that they do not fit in the CPU's caches:
+    decode is bound by reading weights from memory, and a single cached matrix would
+    time arithmetic instead."""
     gen = torch.Generator().manual_seed(0)
+    count = max(1, PROBE_BYTES // (4 * hidden * hidden * 4))  # float32 [4h, h] matrices
     x = torch.randn(8, hidden, generator=gen).to(device=device, dtype=dtype)
-    w = torch.randn(4 * hidden, hidden, generator=gen).to(device=device, dtype=dtype)
+    ws = [torch.randn(4 * hidden, hidden, generator=gen).to(device=device, dtype=dtype) for _ in range(count)]
     best = float("inf")
     with torch.inference_mode():
-        for _ in range(3):  # warm-up: kernel selection, caches
+        for w in ws:  # warm-up: kernel selection, first touch
             torch.nn.functional.linear(x, w)
         for _ in range(reps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            for w in ws:
+                torch.nn.functional.linear(x, w)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
@@ -59,9 +69,9 @@ def device_and_dtype(device: str, dtype: str, hidden_size: int = 2048) -> tuple[
         return dev, DTYPES[dtype]
     if dtype != "auto":
         raise ModelError(f"dtype must be auto, float32 or bfloat16, not {dtype!r}")
-    times = {name: _matmul_seconds(dev, dt, hidden_size, reps=10) for name, dt in DTYPES.items()}
+    times = {name: _matmul_seconds(dev, dt, hidden_size, reps=5) for name, dt in DTYPES.items()}
     chosen = min(times, key=times.get)
-    log.info("dtype auto on %s: [8, %d] x [%d, %d] matmul float32 %.3f ms, bfloat16 %.3f ms -> %s",
+    log.info("dtype auto on %s: [8, %d] x [%d, %d] matmuls float32 %.3f ms, bfloat16 %.3f ms -> %s",
              dev, hidden_size, hidden_size, 4 * hidden_size, times["float32"] * 1e3,
              times["bfloat16"] * 1e3, chosen)
     return dev, DTYPES[chosen]
