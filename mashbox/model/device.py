@@ -1,8 +1,8 @@
 """device_and_dtype: the one place that chooses the torch device and the compute dtype.
 
 cuda when torch.cuda.is_available() (or asked for), else cpu. dtype "auto" is measured,
-not guessed: decode-shaped matmuls ([8, hidden] x [hidden, 4*hidden], over more weights
-than the caches hold) are timed in float32 and bfloat16 on the chosen device and the
+not guessed: a decode-shaped matmul ([8, hidden] x [hidden, n], n >= 4*hidden and the
+weight larger than the caches) is timed in float32 and bfloat16 on the chosen device and the
 faster wins.
 """
 from __future__ import annotations
@@ -35,24 +35,23 @@ PROBE_BYTES = 128 << 20  # float32 weights the probe streams through: more than 
 
 
 def _matmul_seconds(device: torch.device, dtype: torch.dtype, hidden: int, reps: int) -> float:
-    """Best time of one pass of [8, hidden] x [hidden, 4*hidden] over enough distinct
-    weight matrices (like a model's layers) that they do not fit in the CPU's caches:
-    decode is bound by reading weights from memory, and a single cached matrix would
-    time arithmetic instead."""
+    """Best time of [8, hidden] x [hidden, rows] where the weight is at least the
+    [hidden, 4*hidden] of a decoder's MLP and at least PROBE_BYTES in float32: decode is
+    bound by reading weights from memory, and a matrix that fits in the CPU's caches
+    would time arithmetic instead. One large matmul rather than many small ones: on an
+    oversubscribed CPU each parallel region can wait a whole scheduler slice."""
     gen = torch.Generator().manual_seed(0)
-    count = max(1, PROBE_BYTES // (4 * hidden * hidden * 4))  # float32 [4h, h] matrices
+    rows = max(4 * hidden, PROBE_BYTES // (4 * hidden))
     x = torch.randn(8, hidden, generator=gen).to(device=device, dtype=dtype)
-    ws = [torch.randn(4 * hidden, hidden, generator=gen).to(device=device, dtype=dtype) for _ in range(count)]
+    w = torch.empty(rows, hidden, dtype=dtype, device=device).uniform_(-1.0, 1.0)
     best = float("inf")
     with torch.inference_mode():
-        for w in ws:  # warm-up: kernel selection, first touch
-            torch.nn.functional.linear(x, w)
+        torch.nn.functional.linear(x, w)  # warm-up: kernel selection, first touch
         for _ in range(reps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            for w in ws:
-                torch.nn.functional.linear(x, w)
+            torch.nn.functional.linear(x, w)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
@@ -71,7 +70,8 @@ def device_and_dtype(device: str, dtype: str, hidden_size: int = 2048) -> tuple[
         raise ModelError(f"dtype must be auto, float32 or bfloat16, not {dtype!r}")
     times = {name: _matmul_seconds(dev, dt, hidden_size, reps=5) for name, dt in DTYPES.items()}
     chosen = min(times, key=times.get)
-    log.info("dtype auto on %s: [8, %d] x [%d, %d] matmuls float32 %.3f ms, bfloat16 %.3f ms -> %s",
-             dev, hidden_size, hidden_size, 4 * hidden_size, times["float32"] * 1e3,
+    rows = max(4 * hidden_size, PROBE_BYTES // (4 * hidden_size))
+    log.info("dtype auto on %s: [8, %d] x [%d, %d] matmul float32 %.3f ms, bfloat16 %.3f ms -> %s",
+             dev, hidden_size, hidden_size, rows, times["float32"] * 1e3,
              times["bfloat16"] * 1e3, chosen)
     return dev, DTYPES[chosen]
