@@ -27,6 +27,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (engine/client.py)
 
 import torch  # noqa: E402
 
@@ -130,7 +131,8 @@ def main() -> int:
     bound = bw / r.read_bytes_per_step
     print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
           f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step; "
-          f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}")
+          f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s (read + write) -> bound {bound:.1f} steps/s")
     for b in (1, 4, 8):
         print(f"batch {b}: {rates[b]:.1f} tok/s aggregate, {steps[b] * 1e3:.1f} ms/step")

@@ -208,6 +208,10 @@ class EngineClient:
         parent.setblocking(False)
         env = dict(os.environ)
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # OpenMP threads that spin at barriers starve each other when the cores are
+        # shared: measured 4x slower decode steps on a busy 2-core machine (see
+        # benchmarks/decode.py); yielding threads cost little when the cores are free.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "mashbox.engine.worker", "--fd", str(child.fileno()),
