@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient, NotReady, QueueFull
+from mashbox.engine.client import EngineClient, EngineStartError, NotReady, QueueFull
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny_model import hf_greedy, make_tiny_llama  # noqa: E402
@@ -339,3 +339,23 @@ def test_penalties_read_prompt_and_generated_history(tiny, tiny_tok):
     pen, other = run(main, engine_cfg(tiny))
     assert pen[0] == want
     assert other[0] == plain
+
+
+def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)  # a header and nothing that parses
+
+    async def main():
+        client = EngineClient(engine_cfg(str(bad)), ServerConfig())
+        await client.start()
+        try:
+            with pytest.raises(EngineStartError) as e:
+                await client.wait_ready(timeout=TIMEOUT)
+            await asyncio.sleep(1.0)  # a restart would have begun by now
+            return str(e.value), client.state, client.restarts, client.error
+        finally:
+            await client.stop()
+
+    message, state, restarts, error = asyncio.run(main())
+    assert "broken.gguf" in message and message == error
+    assert state == "loading" and restarts == 0
