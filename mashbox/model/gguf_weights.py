@@ -111,7 +111,15 @@ class GGUFWeights:
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size:
                 raise ModelError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
-        self.config = self._read_config()
+        gguf_arch = self._meta("general.architecture")
+        if gguf_arch not in _ARCHES:
+            raise ModelError(f"unsupported architecture {gguf_arch!r} in {path}; "
+                             f"supported: {', '.join(_ARCHES)}")
+        for t in self._reader.tensors:
+            if t.tensor_type.name not in quants.SUPPORTED_TYPES:
+                raise ModelError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which mashbox "
+                                 f"cannot dequantize; supported: {', '.join(quants.SUPPORTED_TYPES)}")
+        self.config = self._read_config(gguf_arch)
 
     def _meta(self, key: str, default=None):
         field = self._reader.fields.get(key)
@@ -119,11 +127,7 @@ class GGUFWeights:
             return default
         return field.contents()
 
-    def _read_config(self) -> ModelConfig:
-        gguf_arch = self._meta("general.architecture")
-        if gguf_arch not in _ARCHES:
-            raise ModelError(f"unsupported architecture {gguf_arch!r} in {self.path}; "
-                             f"supported: {', '.join(_ARCHES)}")
+    def _read_config(self, gguf_arch: str) -> ModelConfig:
         a = gguf_arch
         names = {t.name for t in self._reader.tensors}
         shapes = {t.name: [int(x) for x in t.shape] for t in self._reader.tensors}

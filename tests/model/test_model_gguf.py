@@ -306,3 +306,17 @@ def test_long_loads_log_progress(small_gguf, caplog, monkeypatch):
     progress = [r.getMessage() for r in caplog.records if "tensors, " in r.getMessage()]
     assert progress and "%" in progress[-1]
     assert any(r.getMessage().startswith("loaded ") for r in caplog.records)
+
+
+def test_unsupported_tensor_type_is_named_before_loading(tmp_path):
+    path = str(tmp_path / "iq.gguf")
+    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, block_bytes), dtype=np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelError, match="IQ4_NL"):
+        loader.read_config(path)
