@@ -1,0 +1,229 @@
+"""/v1/responses end to end: the real server on the default model (conftest `server`), the
+official openai SDK (its stream parser accumulates every event), and raw SSE bytes."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city.",
+           "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+ASK = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def client(openai_client):
+    return openai_client
+
+
+def raw_stream(base_url: str, body: dict, headers: dict = None) -> list[tuple[str, dict]]:
+    with httpx.Client(timeout=300) as http:
+        resp = http.post(base_url + "/v1/responses", json=body, headers=headers or {})
+        assert resp.status_code == 200, resp.text
+        raw = resp.content
+    frames = []
+    assert raw.endswith(b"\n\n")
+    for block in raw[:-2].split(b"\n\n"):
+        if block.startswith(b":"):
+            continue
+        name, data = block.split(b"\n")
+        assert name.startswith(b"event: ") and data.startswith(b"data: ")
+        payload = json.loads(data[6:])
+        assert payload["type"] == name[7:].decode()
+        frames.append((payload["type"], payload))
+    assert [d["sequence_number"] for _, d in frames] == list(range(1, len(frames) + 1))
+    return frames
+
+
+def test_plain_and_streamed_agree(client, model_id):
+    kwargs = dict(model=model_id, input="Name three planets.", max_output_tokens=24)
+    client.responses.create(**kwargs)  # warm the prefix cache: both runs below take the same path
+    resp = client.responses.create(**kwargs)
+    assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == model_id
+    assert resp.status in ("completed", "incomplete") and resp.output_text.strip()
+    assert resp.usage.input_tokens > 0 and resp.usage.output_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == resp.output_text
+    assert final.status == resp.status
+
+
+def test_raw_stream_sequence_and_incomplete(base_url):
+    frames = raw_stream(base_url, {"input": "Count: one, two,", "max_output_tokens": 6, "stream": True})
+    names = [n for n, _ in frames]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert names[-5:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"][-4:] and names[-1] == "response.incomplete"
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    final = frames[-1][1]["response"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["usage"]["output_tokens"] == 6
+
+
+def test_stop_and_seed(client, model_id):
+    kwargs = dict(model=model_id, input="Write a sentence about the sea.", max_output_tokens=16)
+    client.responses.create(**kwargs)  # warm the prefix cache
+    full = client.responses.create(**kwargs).output_text
+    words = full.split()
+    assert len(words) > 4, full
+    stop = words[3]
+    cut = client.responses.create(**kwargs, extra_body={"stop": [stop]})
+    assert cut.output_text == full[:full.index(stop)] and cut.status == "completed"
+    kw = dict(model=model_id, input="Tell me a story.", max_output_tokens=10, temperature=1.5)
+    client.responses.create(**kw)  # warm the prefix cache: the runs below take the same path
+    a = client.responses.create(**kw, extra_body={"seed": 99}).output_text
+    b = client.responses.create(**kw, extra_body={"seed": 99}).output_text
+    c = client.responses.create(**kw, extra_body={"seed": 98}).output_text
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_forced_function_call(client, model_id, choice):
+    resp = client.responses.create(model=model_id, input=ASK, tools=[WEATHER], tool_choice=choice,
+                                   max_output_tokens=60)
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert calls, resp.output
+    call = calls[0]
+    assert isinstance(call, ResponseFunctionToolCall)
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    assert isinstance(json.loads(call.arguments), dict)
+    assert resp.tool_choice == choice if isinstance(choice, str) else resp.tool_choice.name == "get_weather"
+
+
+def test_streamed_call_then_multi_turn(client, model_id):
+    with client.responses.stream(model=model_id, input=ASK, tools=[WEATHER],
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 max_output_tokens=60) as stream:
+        first = stream.get_final_response()
+    call = [o for o in first.output if o.type == "function_call"][0]
+    assert call.parsed_arguments is not None  # strict tool: the SDK parsed the arguments
+    history = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True,
+               exclude={"parsed_arguments"}),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
+    second = client.responses.create(model=model_id, input=history, tools=[WEATHER], max_output_tokens=30)
+    assert second.output and second.status in ("completed", "incomplete")
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's prompt was reused
+
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "Runs a shell command and returns its output.",
+     "strict": False, "parameters": {"type": "object", "properties": {
+         "command": {"type": "array", "items": {"type": "string"}}, "workdir": {"type": "string"}},
+         "required": ["command"], "additionalProperties": False}},
+    {"type": "namespace", "name": "mcp__docs__", "description": "Docs server",
+     "tools": [{"type": "function", "name": "search", "description": "Search the docs",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "custom", "name": "apply_patch", "description": "Apply a patch to files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+]
+
+
+def codex_body(**extra) -> dict:
+    body = {
+        "model": None, "instructions": "You are Codex, a coding agent.", "stream": True, "store": False,
+        "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto", "effort": "medium"},
+        "include": ["reasoning.encrypted_content"], "prompt_cache_key": "019a-session", "tools": CODEX_TOOLS,
+        "client_metadata": {"x": "y"}, "max_output_tokens": 40,
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions/>"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Show the files."}]},
+        ],
+    }
+    body.update(extra)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+CODEX_HEADERS = {"authorization": "Bearer unused", "originator": "codex_cli_rs", "session_id": "019a",
+                 "x-codex-turn-metadata": '{"turn": 1}'}
+
+
+def test_codex_shaped_request(base_url, client, model_id):
+    frames = raw_stream(base_url, codex_body(), CODEX_HEADERS)
+    names = [n for n, _ in frames]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[-1] in ("response.completed", "response.incomplete") and "error" not in names
+    final = frames[-1][1]["response"]
+    assert final["parallel_tool_calls"] is True and final["tools"] == CODEX_TOOLS
+    # Every item that was added is done, in order, and the final output lists them.
+    added = [d["item"]["type"] for n, d in frames if n == "response.output_item.added"]
+    done = [d["item"] for n, d in frames if n == "response.output_item.done"]
+    assert added == [i["type"] for i in done] == [i["type"] for i in final["output"]]
+    # The same request through the SDK's stream parser.
+    body = codex_body()
+    body.pop("stream")
+    with client.responses.stream(**{k: v for k, v in body.items() if k not in ("client_metadata",)},
+                                 model=model_id, extra_body={"client_metadata": body["client_metadata"]}) as s:
+        resp = s.get_final_response()
+    assert resp.status in ("completed", "incomplete")
+
+
+def test_codex_forced_custom_and_namespace_calls(client, model_id):
+    body = codex_body(tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=80)
+    body.pop("stream")
+    resp = client.responses.create(model=model_id, **body)
+    calls = [o for o in resp.output if o.type == "custom_tool_call"]
+    assert calls, resp.output
+    assert isinstance(calls[0], ResponseCustomToolCall)
+    assert calls[0].name == "apply_patch" and isinstance(calls[0].input, str) and calls[0].call_id.startswith("call_")
+    body = codex_body(tool_choice={"type": "function", "name": "search"}, max_output_tokens=60)
+    body.pop("stream")
+    resp = client.responses.create(model=model_id, **body)
+    call = [o for o in resp.output if o.type == "function_call"][0]
+    assert (call.namespace, call.name) == ("mcp__docs__", "search")
+    # Codex sends the turn back: the calls and their outputs, with a reasoning item.
+    history = body["input"] + [
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "look"}],
+         "encrypted_content": None},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "found 3 pages"},
+        {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "call_p", "output": "applied"},
+    ]
+    resp = client.responses.create(model=model_id, **{**body, "input": history, "tool_choice": "auto"})
+    assert resp.status in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     "input[0].content[0].type"),
+    ({"temperature": 9}, "temperature"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),
+    ({"n": 3}, "n"),
+    ({"stop": [""]}, "stop[0]"),
+    ({"input": 7}, "input"),
+])
+def test_every_400_in_openai_shape(base_url, extra, param):
+    body = {"input": "hi", "max_output_tokens": 5, **extra}
+    with httpx.Client(timeout=60) as http:
+        r = http.post(base_url + "/v1/responses", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and param in err["message"]
+
+
+def test_model_not_found_and_sdk_error(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-5", input="hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=client.models.list().data[0].id, input="hi", top_logprobs=2)
+    assert "top_logprobs" in str(info.value)
