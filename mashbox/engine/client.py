@@ -253,8 +253,8 @@ class EngineClient:
         self._handles[req.id] = h
         self._waiting_by_tenant[req.tenant] += 1
         self._waiting_total += 1
+        h.sent = True  # before the send: a failed write resubmits it (sets sent False)
         self._send({"op": "submit", "req": req.to_wire()})
-        h.sent = True
         return h
 
     def _cancel(self, h: RequestHandle) -> None:
@@ -366,10 +366,12 @@ class EngineClient:
             self.state = "ok"
             self._fails_before_ready = 0
             log.info("engine ready: %s", self.info)
-            for h in self._handles.values():
+            for h in list(self._handles.values()):
+                if self._sock is None or self.state != "ok":  # the new worker died already
+                    break
                 if not h.sent:
-                    self._send({"op": "submit", "req": h.req.to_wire()})
                     h.sent = True
+                    self._send({"op": "submit", "req": h.req.to_wire()})
             self._ready.set()
         elif op == "fatal":
             self.error = f.get("message", "the worker failed to load the model")
