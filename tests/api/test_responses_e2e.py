@@ -62,8 +62,8 @@ def test_raw_stream_sequence_and_incomplete(base_url):
     names = [n for n, _ in frames]
     assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
-    assert names[-5:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"][-4:] and names[-1] == "response.incomplete"
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
     assert set(names[4:-4]) == {"response.output_text.delta"}
     final = frames[-1][1]["response"]
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
@@ -100,17 +100,29 @@ def test_forced_function_call(client, model_id, choice):
     assert resp.tool_choice == choice if isinstance(choice, str) else resp.tool_choice.name == "get_weather"
 
 
+def final_of(events) -> object:
+    """The Response of a stream's last event (completed or incomplete: a small model may run
+    out of max_output_tokens inside its call, and the SDK's get_final_response() only
+    accepts response.completed)."""
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete"), last.type
+    return last.response
+
+
 def test_streamed_call_then_multi_turn(client, model_id):
-    with client.responses.stream(model=model_id, input=ASK, tools=[WEATHER],
-                                 tool_choice={"type": "function", "name": "get_weather"},
-                                 max_output_tokens=60) as stream:
-        first = stream.get_final_response()
-    call = [o for o in first.output if o.type == "function_call"][0]
-    assert call.parsed_arguments is not None  # strict tool: the SDK parsed the arguments
-    history = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True,
-               exclude={"parsed_arguments"}),
+    events = list(client.responses.create(model=model_id, input=ASK, tools=[WEATHER], stream=True,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=40))
+    first = final_of(events)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    call = [o for o in done if o.type == "function_call"][0]
+    assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_weather"
+    assert call.model_dump() == [o for o in first.output if o.type == "function_call"][0].model_dump()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments and isinstance(json.loads(call.arguments), dict)
+    history = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
-    second = client.responses.create(model=model_id, input=history, tools=[WEATHER], max_output_tokens=30)
+    second = client.responses.create(model=model_id, input=history, tools=[WEATHER], max_output_tokens=8)
     assert second.output and second.status in ("completed", "incomplete")
     assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's prompt was reused
 
@@ -159,25 +171,27 @@ def test_codex_shaped_request(base_url, client, model_id):
     added = [d["item"]["type"] for n, d in frames if n == "response.output_item.added"]
     done = [d["item"] for n, d in frames if n == "response.output_item.done"]
     assert added == [i["type"] for i in done] == [i["type"] for i in final["output"]]
-    # The same request through the SDK's stream parser.
+    # The same request through the SDK's typed stream events.
     body = codex_body()
     body.pop("stream")
-    with client.responses.stream(**{k: v for k, v in body.items() if k not in ("client_metadata",)},
-                                 model=model_id, extra_body={"client_metadata": body["client_metadata"]}) as s:
-        resp = s.get_final_response()
-    assert resp.status in ("completed", "incomplete")
+    meta = body.pop("client_metadata")
+    events = list(client.responses.create(**body, model=model_id, stream=True, extra_body={"client_metadata": meta}))
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    assert final_of(events).id == events[0].response.id
 
 
 def test_codex_forced_custom_and_namespace_calls(client, model_id):
-    body = codex_body(tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=80)
+    body = codex_body(tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=40)
     body.pop("stream")
+    body["extra_body"] = {"client_metadata": body.pop("client_metadata")}
     resp = client.responses.create(model=model_id, **body)
     calls = [o for o in resp.output if o.type == "custom_tool_call"]
     assert calls, resp.output
     assert isinstance(calls[0], ResponseCustomToolCall)
     assert calls[0].name == "apply_patch" and isinstance(calls[0].input, str) and calls[0].call_id.startswith("call_")
-    body = codex_body(tool_choice={"type": "function", "name": "search"}, max_output_tokens=60)
+    body = codex_body(tool_choice={"type": "function", "name": "search"}, max_output_tokens=40)
     body.pop("stream")
+    body["extra_body"] = {"client_metadata": body.pop("client_metadata")}
     resp = client.responses.create(model=model_id, **body)
     call = [o for o in resp.output if o.type == "function_call"][0]
     assert (call.namespace, call.name) == ("mcp__docs__", "search")
@@ -190,7 +204,8 @@ def test_codex_forced_custom_and_namespace_calls(client, model_id):
         {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": "*** Begin Patch"},
         {"type": "custom_tool_call_output", "call_id": "call_p", "output": "applied"},
     ]
-    resp = client.responses.create(model=model_id, **{**body, "input": history, "tool_choice": "auto"})
+    resp = client.responses.create(model=model_id, **{**body, "input": history, "tool_choice": "auto",
+                                                      "max_output_tokens": 8})
     assert resp.status in ("completed", "incomplete")
 
 
