@@ -120,7 +120,25 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     log.info("listening on http://%s:%d", server_config.host, server.port)
     if on_listening is not None:
         on_listening(server)
-    engine_task = asyncio.ensure_future(engine.start())
+    exit_code = 0
+
+    async def start_engine() -> None:
+        # A model the worker cannot load is fatal: say why and exit 1 (the CLI's code for a
+        # server that failed after it started) rather than answer "loading" forever.
+        nonlocal exit_code
+        try:
+            await engine.start()
+            wait_ready = getattr(engine, "wait_ready", None)
+            if wait_ready is not None:
+                await wait_ready()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("the model could not be loaded: %s", exc)
+            exit_code = 1
+            stop.set()
+
+    engine_task = asyncio.ensure_future(start_engine())
     try:
         await stop.wait()
     finally:
@@ -131,7 +149,7 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
             await engine.stop()
         except Exception:  # shutting down: log it and go on
             log.exception("engine stop failed")
-    return 0
+    return exit_code
 
 
 def serve(server_config: ServerConfig, engine_config: EngineConfig) -> int:

@@ -115,3 +115,21 @@ def test_loading_answers(default_model_path):
         assert httpx.get(app.base_url + "/health").json()["status"] == "ok"
         r = httpx.post(app.base_url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "x"
+
+
+def test_a_model_that_cannot_load_ends_serve_with_exit_code_1(default_model_path):
+    import asyncio
+
+    from mashbox.api.app import serve_async
+    from mashbox.config import EngineConfig, ServerConfig
+
+    class BrokenEngine(ScriptedEngine):
+        async def wait_ready(self):
+            raise RuntimeError("the weights file is corrupt")
+
+    async def main():
+        return await asyncio.wait_for(serve_async(
+            ServerConfig(host="127.0.0.1", port=0), EngineConfig(model_path=default_model_path, model_id="x"),
+            engine=BrokenEngine(lambda req: [], ready=False), stop=asyncio.Event()), 60)
+
+    assert asyncio.run(main()) == 1
