@@ -10,8 +10,10 @@ Rules:
 - The engine request is cancelled in `finally`: a client that goes away (the stream's
   iterator is closed, or a non-streamed handler task is cancelled) frees its slot at
   once, whether queued, prefilling or decoding. cancel() is idempotent.
-- A worker failure (finish_reason "error") raises `GenerationError`; the route answers
-  500 before output, or its stream's error event after.
+- A worker failure (finish_reason "error") is retried once, from the start, while the
+  client has received no model output (routes set `output_sent` when they send some);
+  otherwise, or when the retry fails too, `GenerationError` is raised: the route
+  answers 500 before output, or its stream's error event after.
 - Pieces are this module's own `Piece` values (kind text | reasoning | tool_start |
   tool_args | tool_end), whatever the parser's types; tool-call ids are made here with
   the route's prefix (call_ / toolu_ / fc_).
@@ -36,6 +38,8 @@ from mashbox.api.prompt import Prompt
 from mashbox.config import GenerationRequest, StepEvent, Timings
 
 log = logging.getLogger("mashbox.api")
+
+RETRY_READY_TIMEOUT_S = 300.0  # a restarted worker reloads the model before the retry can run
 
 PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
 
@@ -221,12 +225,18 @@ class Generation:
             max_tokens=prompt.max_tokens,
             ignore_eos=ignore_eos,
         )
-        needs_parser = prompt.parse_tools or prompt.parse_reasoning
-        self._parser = _ParserAdapter(prompt, tool_id_prefix) if needs_parser else _PlainParser()
+        self._tool_id_prefix = tool_id_prefix
+        self._parser = self._new_parser()
+        self._retried = False
         self.result = Result(prompt_tokens=len(prompt.ids))
         self._calls: dict[int, ToolCall] = {}
         self._handle = None
         self.output_sent = False  # set by a route once a client has received model output
+
+    def _new_parser(self):
+        if self.prompt.parse_tools or self.prompt.parse_reasoning:
+            return _ParserAdapter(self.prompt, self._tool_id_prefix)
+        return _PlainParser()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -272,6 +282,12 @@ class Generation:
                     raise GenerationError("the engine ended the request without a finish reason") from None
                 finally:
                     pending = None
+                if ev.finish_reason == "error" and self._may_retry():
+                    log.warning("request %s failed before any output reached its client (%s); running it "
+                                "again", self.id, ev.error)
+                    await self._resubmit(ev.error)
+                    it = self._handle.__aiter__()
+                    continue
                 step = self._on_event(ev)
                 if step.finished:
                     tail = self._apply(self._parser.finish())
@@ -284,6 +300,34 @@ class Generation:
             if pending is not None and not pending.done():
                 pending.cancel()
             self.cancel()
+
+    # -- the one retry -----------------------------------------------------------------------
+
+    def _may_retry(self) -> bool:
+        """Once, and only while the client has received no model output. A request the
+        engine client already sent again itself (its worker died before any token) has
+        had its one retry."""
+        return not (self.output_sent or self._retried or getattr(self._handle, "resubmitted", False))
+
+    async def _resubmit(self, error: Optional[str]) -> None:
+        """Run the request again from the start: fresh parser and result, same request."""
+        self._retried = True
+        wait_ready = getattr(self.api.engine, "wait_ready", None)
+        try:
+            if wait_ready is not None and not self.api.ready:
+                await wait_ready(RETRY_READY_TIMEOUT_S)
+            self._handle = self.api.engine.submit(self.request)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.result.finish_reason, self.result.finished = "error", True
+            raise GenerationError(f"{error or 'the request failed on the device'}; its retry failed too: "
+                                  f"{exc or type(exc).__name__}") from None
+        self._parser = self._new_parser()
+        self._calls = {}
+        self.result = Result(prompt_tokens=len(self.prompt.ids))
+        if self.prompt.forced_text:
+            self._apply(self._parser.feed(self.prompt.forced_text))
 
     async def run(self) -> Result:
         """Non-streamed: drive to the end and return the result."""

@@ -289,11 +289,46 @@ def test_error_mid_stream_is_an_error_event_with_the_response_id(app, script):
     assert frames[-1] == ("", "[DONE]")
 
 
-def test_error_before_output_not_streamed_is_500(app, script):
+def test_error_before_output_not_streamed_is_500_after_one_retry(app, engine, script):
     script.finish, script.error = "error", "boom"
+    before = len(engine.submitted)
     r = post(app, {"messages": user()})
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
+    assert "retry failed too" in r.json()["error"]["message"] or "boom" in r.json()["error"]["message"]
+    assert len(engine.submitted) == before + 2  # the first run and its one retry
+
+
+class FailOnce:
+    """The first run fails after some tokens (a worker fault); the retry answers."""
+
+    def __init__(self, first_pieces=("Hel", "lo")):
+        self.calls = 0
+        self.first_pieces = list(first_pieces)
+
+    def __call__(self, req):
+        self.calls += 1
+        if self.calls == 1:
+            return text_events(req, self.first_pieces, "error", error="the engine worker stopped")
+        return text_events(req, ["Hello", "!"])
+
+
+def test_failure_before_the_client_got_output_is_run_again(app, engine, script, monkeypatch):
+    monkeypatch.setattr(engine, "script", FailOnce())
+    obj = post(app, {"messages": user()}).json()
+    assert obj["choices"][0]["message"]["content"] == "Hello!"
+    assert obj["usage"]["completion_tokens"] == 2  # counted for the run that answered
+    assert engine.submitted[-1].prompt_ids == engine.submitted[-2].prompt_ids
+
+
+def test_stream_retried_when_nothing_but_the_role_chunk_was_sent(app, engine, monkeypatch):
+    # The failed run's only text is "<th": the parser holds it back (it may become <think>),
+    # so the client got the role chunk and no model output.
+    monkeypatch.setattr(engine, "script", FailOnce(["<th"]))
+    frames = stream_frames(app, {"messages": user(), "stream": True})
+    deltas = [json.loads(d)["choices"][0]["delta"] for n, d in frames[:-1] if n == ""]
+    assert "".join(d.get("content") or "" for d in deltas) == "Hello!"
+    assert all(n != "error" for n, _ in frames)
 
 
 def test_queue_full_is_429_with_retry_after(app, script):
