@@ -16,9 +16,16 @@ Rules:
 - GQA never materialises repeated K/V: a decode row's q is viewed as
   [kv_heads, group, head_dim] against the slot's [kv_heads, L, head_dim] keys; prefill
   uses SDPA's enable_gqa.
-- Decode rows whose slots are all distinct attend in one batched SDPA call over a view of
-  the slot range they cover (padded keys masked), so batch-8 decode costs one attention
-  call per layer, not eight.
+- Batch invariance: with batch_invariant (the default on CPU) every row attends alone
+  over exactly its own keys, so a row's result does not depend on what else is in the
+  batch. Measured on this project's CPU: bfloat16 decode logits are then bit-identical
+  alone and beside other rows (torch's bf16 linear does not change its reduction with
+  the row count); float32 still differs by ~4e-5, because a 1-row float32 linear takes
+  a gemv kernel and more rows a gemm one. Without batch_invariant (the default on CUDA,
+  where kernel launches dominate) decode rows whose slots cover a compact range attend in
+  one SDPA call over a view of that range, padded keys masked: one call per layer
+  instead of one per row, but the padding changes the kernel's blocking and so the
+  row's rounding.
 """
 from __future__ import annotations
 
@@ -76,8 +83,9 @@ class _Layer:
 
 class Decoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, batch_invariant: Optional[bool] = None):
         self.config = config
+        self.batch_invariant = (torch.device(device).type == "cpu") if batch_invariant is None else batch_invariant
         self.dtype = dtype
         self.device = torch.device(device)
         c = config
@@ -131,7 +139,7 @@ class Decoder:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         c = self.config
         T = batch.input_ids.shape[0]
-        plan = _Plan(batch, cache, c, self.dtype, self.device)
+        plan = _Plan(batch, cache, c, self.dtype, self.device, batch_decodes=not self.batch_invariant)
         rope = self._rope_table(cache.ctx)
         cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
         sin = rope.sin[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
@@ -169,7 +177,7 @@ class _Plan:
     """One forward's attention plan: index tensors and masks shared by every layer."""
 
     def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, batch_decodes: bool):
         self.dtype = dtype
         rows = len(batch.row_slots)
         if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
@@ -213,7 +221,10 @@ class _Plan:
             t0 += n
         self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
-        self._plan_decodes(decodes, window, device)
+        self.decodes = decodes
+        self.batched = None
+        if batch_decodes:
+            self._plan_decodes(decodes, window, device)
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """Bool mask -> 0 / -inf in the model dtype, made once per forward: SDPA on CPU
@@ -225,8 +236,6 @@ class _Plan:
     def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int],
                       device: torch.device) -> None:
         """Batch the decode rows when their slots are distinct and cover a compact range."""
-        self.decodes = decodes
-        self.batched = None
         if len(decodes) < 2:
             return
         slots = [d[1] for d in decodes]

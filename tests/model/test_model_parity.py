@@ -37,9 +37,9 @@ STEPS = [
 ]
 
 
-def _load(folder, dtype=torch.float32):
+def _load(folder, dtype=torch.float32, batch_invariant=None):
     weights = loader.load(str(folder), dtype, CPU)
-    return weights, Decoder(weights.config, weights.tensors, dtype, CPU)
+    return weights, Decoder(weights.config, weights.tensors, dtype, CPU, batch_invariant=batch_invariant)
 
 
 def _run_steps(decoder, cache, seqs):
@@ -58,11 +58,14 @@ def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny")
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["rows-attend-alone", "decodes-batched"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_mixed_batches_match_transformers(tiny_dir, variant):
-    folder = make_tiny(tiny_dir, variant)
+def test_mixed_batches_match_transformers(tiny_dir, variant, batch_invariant):
+    folder = tiny_dir / variant
+    if not folder.exists():
+        make_tiny(tiny_dir, variant)
     ref = reference(folder)
-    weights, decoder = _load(folder)
+    weights, decoder = _load(folder, batch_invariant=batch_invariant)
     assert weights.tensors == {}, "the decoder takes ownership of the weights"
     gen = torch.Generator().manual_seed(7)
     seqs = {name: torch.randint(0, ref.config.vocab_size, (n,), generator=gen).tolist()
@@ -77,6 +80,27 @@ def test_mixed_batches_match_transformers(tiny_dir, variant):
         assert err < ATOL, f"{variant}: sequence {name} position {pos}: max |diff| {err}"
         checked += 1
     assert checked == sum(len(s) for s in STEPS)
+
+
+def test_cpu_bfloat16_decode_is_batch_invariant(tiny_dir):
+    """A decode row's logits are bit-identical alone and beside other rows of other
+    lengths (decodes and a prefill chunk). bfloat16 only: float32 linears change kernel
+    with the row count (see decoder.py)."""
+    weights, decoder = _load(make_tiny(tiny_dir, "qwen3"), torch.bfloat16)
+    assert decoder.batch_invariant
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 17, 30, 12)]
+    cache = KVCache(weights.config, slots=4, ctx=64, dtype=torch.bfloat16, device=CPU)
+    for slot, ids in enumerate(prompts):
+        decoder.forward(Batch.build([(slot, 0, ids[:-1])]), cache)
+    last = [(slot, len(ids) - 1, ids[-1:]) for slot, ids in enumerate(prompts)]
+    alone = decoder.forward(Batch.build(last[:1]), cache)[0]
+    beside = decoder.forward(Batch.build(last), cache)[0]
+    beside_reversed = decoder.forward(Batch.build(last[::-1]), cache)[-1]
+    with_prefill = decoder.forward(Batch.build([last[0], (3, 0, prompts[3])]), cache)[0]
+    assert torch.equal(alone, beside)
+    assert torch.equal(alone, beside_reversed)
+    assert torch.equal(alone, with_prefill)
 
 
 def test_config_flags_follow_the_architecture(tiny_dir):
