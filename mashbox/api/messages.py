@@ -591,6 +591,9 @@ async def _stream(gen: Generation, ms: MessageStream) -> AsyncIterator[bytes]:
                 return
     except GenerationError as exc:
         yield _frame(error_event(f"The request failed on the device: {exc}", request_id=ms.id))
+    except Exception as exc:  # a bug here must still end the stream the way the API says
+        log.exception("messages stream %s failed", ms.id)
+        yield _frame(error_event(f"The server failed while streaming: {exc}", request_id=ms.id))
 
 
 def routes(api: ApiContext) -> list:

@@ -701,6 +701,10 @@ async def _stream(api: ApiContext, gen: Generation, rs: ResponseStream) -> Async
     except GenerationError as exc:
         for pair in rs.fail(f"The request failed on the device: {exc}"):
             yield _frame(pair)
+    except Exception as exc:  # a bug here must still end the stream the way the API says
+        log.exception("responses stream %s failed", rs.id)
+        for pair in rs.fail(f"The server failed while streaming: {exc}"):
+            yield _frame(pair)
 
 
 def routes(api: ApiContext) -> list:

@@ -42,6 +42,15 @@ def raw_stream(base_url: str, body: dict, headers: dict = None) -> list[tuple[st
     return frames
 
 
+def final_of(events) -> object:
+    """The Response of a stream's last event (completed or incomplete: a small model may run
+    out of max_output_tokens inside its call, and the SDK's get_final_response() only
+    accepts response.completed)."""
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete"), last.type
+    return last.response
+
+
 def test_plain_and_streamed_agree(client, model_id):
     kwargs = dict(model=model_id, input="Name three planets.", max_output_tokens=24)
     client.responses.create(**kwargs)  # warm the prefix cache: both runs below take the same path
@@ -50,9 +59,9 @@ def test_plain_and_streamed_agree(client, model_id):
     assert resp.status in ("completed", "incomplete") and resp.output_text.strip()
     assert resp.usage.input_tokens > 0 and resp.usage.output_tokens > 0
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
-    with client.responses.stream(**kwargs) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
-        final = stream.get_final_response()
+    events = list(client.responses.create(**kwargs, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    final = final_of(events)
     assert "".join(deltas) == final.output_text == resp.output_text
     assert final.status == resp.status
 
@@ -98,15 +107,6 @@ def test_forced_function_call(client, model_id, choice):
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
     assert isinstance(json.loads(call.arguments), dict)
     assert resp.tool_choice == choice if isinstance(choice, str) else resp.tool_choice.name == "get_weather"
-
-
-def final_of(events) -> object:
-    """The Response of a stream's last event (completed or incomplete: a small model may run
-    out of max_output_tokens inside its call, and the SDK's get_final_response() only
-    accepts response.completed)."""
-    last = events[-1]
-    assert last.type in ("response.completed", "response.incomplete"), last.type
-    return last.response
 
 
 def test_streamed_call_then_multi_turn(client, model_id):
