@@ -375,3 +375,20 @@ def test_sdk_parses_stream_and_usage(app):
     assert text == "Hello, world"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2
+
+
+def test_sdk_stream_accumulator_builds_the_typed_completion(app, script):
+    """The SDK's own stream helper accumulates our deltas (content, reasoning, tool calls
+    by index) into a ChatCompletion; it is strict about the delta shapes."""
+    script.pieces = ["Let me check.", "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": ",
+                     "\"Paris\"}}\n</tool_call>"]
+    client = openai.OpenAI(base_url=app.base_url + "/v1", api_key="x", max_retries=0)
+    with client.chat.completions.stream(model="scripted", messages=user(), tools=TOOLS) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in events
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
