@@ -90,6 +90,10 @@ class Engine:
             return
         r = Request(req)
         try:
+            vocab = self.runner.vocab_size
+            if req.prompt_ids and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab):
+                # one bad id would fail the forward of every request in its step
+                raise ValueError(f"prompt_ids holds an id outside the vocabulary [0, {vocab})")
             self.scheduler.add(r)
         except ValueError as e:
             self._pending.append(StepEvent(id=req.id, finish_reason="error", error=str(e),

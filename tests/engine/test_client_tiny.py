@@ -291,13 +291,15 @@ def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
     assert ids == ref[: len(ids)] and len(ids) < 30
 
 
-def test_context_end_and_oversized_prompt(tiny):
+def test_context_end_oversized_prompt_and_bad_ids(tiny):
     async def main(client):
         fits = await collect(client.submit(greq("fits", [(i % 300) + 2 for i in range(60)], 100)))
         too_long = await collect(client.submit(greq("long", [5] * 65, 4)))
-        return fits, too_long
+        bad_id = await collect(client.submit(greq("bad", [5, 320, 6], 4)))
+        return fits, too_long, bad_id
 
-    fits, too_long = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
+    fits, too_long, bad_id = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
+    assert bad_id[2].finish_reason == "error" and "vocabulary" in bad_id[2].error
     assert fits[2].finish_reason == "length" and len(fits[0]) == 4  # 60 + 4 = the whole slot
     assert too_long[2].finish_reason == "error" and "65 tokens" in too_long[2].error
 
