@@ -30,9 +30,9 @@ from mashbox.model.model_config import ModelConfig
 log = logging.getLogger(__name__)
 
 # GGUF general.architecture -> our arch. Mistral 7B files are written as "llama".
-_ARCHES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Architectures whose q/k rows llama.cpp's converter permutes.
-_PERMUTED_ARCHES = ("llama", "mistral")
+_PERMUTED_ARCHES = ("llama",)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
