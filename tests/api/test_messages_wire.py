@@ -237,3 +237,55 @@ def test_client_going_away_cancels_the_engine_request(text_layer):
 
     asyncio.run(asyncio.wait_for(go(), 5))
     assert engine.handles[0].cancelled
+
+
+# A ChatML template that knows thinking (a `<think>` marker): the route then parses
+# reasoning, as it would for a Qwen3-style model.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_layer(text_layer):
+    from mashbox.text.chat import ChatTemplate
+
+    tokenizer, _ = text_layer
+    template = ChatTemplate(tokenizer, source=THINKING_TEMPLATE)
+    assert template.reasoning
+    return tokenizer, template
+
+
+def test_thinking_text_and_tool_call_through_the_real_parser(thinking_layer):
+    out = ["<thi", "nk>Paris is ", "in France.</think>", "Let me check.\n", "<tool_call>\n{\"name\": \"get_",
+           "weather\", \"arguments\": {\"city\": ", "\"Paris\"}}\n</tool_call>"]
+    engine = ScriptedEngine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
+                            + [finish("stop", "", n=len(out))])
+    api = make_api(thinking_layer, engine)
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    frames = run_stream(api, stream_body(thinking={"type": "enabled", "budget_tokens": 1024}, tools=tools))
+    shape = [(n, d.get("index"), (d.get("delta") or {}).get("type") or (d.get("content_block") or {}).get("type"))
+             for n, d in frames]
+    # Deltas may be split differently by the parser; squeeze repeats of the same delta.
+    squeezed = [s for i, s in enumerate(shape) if i == 0 or s != shape[i - 1]]
+    assert squeezed == [
+        ("message_start", None, None), ("ping", None, None),
+        ("content_block_start", 0, "thinking"), ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"), ("content_block_stop", 0, None),
+        ("content_block_start", 1, "text"), ("content_block_delta", 1, "text_delta"), ("content_block_stop", 1, None),
+        ("content_block_start", 2, "tool_use"), ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("message_delta", None, None), ("message_stop", None, None),
+    ]
+    thinking = "".join(d["delta"]["thinking"] for n, d in frames if (d.get("delta") or {}).get("type") == "thinking_delta")
+    assert thinking.strip() == "Paris is in France."
+    text = "".join(d["delta"]["text"] for n, d in frames if (d.get("delta") or {}).get("type") == "text_delta")
+    assert text.strip() == "Let me check."
+    tool_start = [d for n, d in frames if n == "content_block_start" and d["index"] == 2][0]["content_block"]
+    assert tool_start["name"] == "get_weather" and tool_start["id"].startswith("toolu_") and tool_start["input"] == {}
+    args = [d for n, d in frames if (d.get("delta") or {}).get("type") == "input_json_delta"]
+    assert [orjson.loads(a["delta"]["partial_json"]) for a in args] == [{"city": "Paris"}]
+    assert frames[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert engine.requests[0].prompt_ids  # the prompt rendered with thinking on

@@ -93,3 +93,40 @@ def test_model_mismatch_and_worker_failure(text_layer):
     with pytest.raises(HTTPError) as info:
         run(api, {"input": "x"})
     assert info.value.status == 503
+
+
+from test_messages_wire import thinking_layer  # noqa: E402,F401  (fixture)
+
+
+def test_reasoning_text_and_calls_through_the_real_parser(thinking_layer):
+    out = ["<think>Check ", "the files.</think>", "On it.\n", "<tool_call>\n{\"name\": \"shell\", \"arguments\": ",
+           "{\"command\": [\"ls\"]}}\n</tool_call>\n<tool_call>\n{\"name\": \"apply_patch\", \"arguments\": ",
+           "{\"input\": \"*** Begin Patch\"}}\n</tool_call>"]
+    engine = ScriptedEngine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
+                            + [finish("stop", "", n=12)])
+    api = make_api(thinking_layer, engine)
+    tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
+             {"type": "custom", "name": "apply_patch"}, {"type": "web_search"}]
+    frames = run(api, {"input": "fix", "stream": True, "tools": tools, "reasoning": {"effort": "high"},
+                       "parallel_tool_calls": True})
+    names = [n for n, _ in frames]
+    squeezed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    assert squeezed == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done",
+        "response.output_item.done", "response.completed",
+    ]
+    final = frames[-1][1]["response"]
+    reasoning, message, shell, patch = final["output"]
+    assert reasoning["content"][0]["text"].strip() == "Check the files."
+    assert message["content"][0]["text"].strip() == "On it."
+    assert shell["type"] == "function_call" and orjson.loads(shell["arguments"]) == {"command": ["ls"]}
+    assert patch["type"] == "custom_tool_call" and patch["input"] == "*** Begin Patch"
+    assert shell["call_id"].startswith("call_") and patch["call_id"] != shell["call_id"]
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
