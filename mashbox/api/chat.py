@@ -30,7 +30,7 @@ import orjson
 
 from mashbox.api import common
 from mashbox.api.common import OPENAI, ApiContext, bad_request
-from mashbox.api.generation import EventStream, Generation, GenerationError, Piece, Result, finish_failure, timings_json
+from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure, timings_json
 from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
 from mashbox.http import sse
 from mashbox.http.response import json_response

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -380,6 +379,7 @@ class Generation:
             if ev.timings.predicted_n:
                 r.completion_tokens = max(r.completion_tokens, ev.timings.predicted_n)
         r.finished = True
+
 
 def finish_failure(exc: GenerationError, family: str):
     """The 500 a non-streamed route answers when the worker failed its request."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from mashbox.api.common import ApiContext, bad_request
 from mashbox.text import tool_prompt

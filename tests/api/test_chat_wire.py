@@ -220,8 +220,6 @@ def test_reasoning_in_message_and_deltas(app, script):
 def test_enable_thinking_false_reaches_the_template(app, engine, script):
     script.pieces = ["Paris."]
     post(app, {"messages": user(), "chat_template_kwargs": {"enable_thinking": False}})
-    from mashbox.text.tokenizer import load_tokenizer  # noqa: F401  (the app's tokenizer is the same file)
-
     ids_off = engine.submitted[-1].prompt_ids
     post(app, {"messages": user(), "enable_thinking": True})
     ids_on = engine.submitted[-1].prompt_ids
