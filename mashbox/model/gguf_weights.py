@@ -62,7 +62,8 @@ def hf_name(gguf_name: str) -> str:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if m is None or m.group(2) not in _LAYER_NAMES:
-        raise ModelError(f"unexpected tensor {gguf_name!r} in GGUF file")
+        raise ModelError(f"unexpected tensor {gguf_name!r} in GGUF file (not a llama/qwen2/qwen3 "
+                         f"decoder tensor)")
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
@@ -122,6 +123,7 @@ class GGUFWeights:
         self.config = self._read_config(gguf_arch)
 
     def _meta(self, key: str, default=None):
+        """A metadata value (str, int, float or list), or default when absent."""
         field = self._reader.fields.get(key)
         if field is None:
             return default
@@ -146,10 +148,11 @@ class GGUFWeights:
         if rope_dim != head_dim:
             raise ModelError(f"partial rotary embedding (rope.dimension_count {rope_dim} < head_dim "
                              f"{head_dim}) is not supported")
-        vocab = self._meta(f"{a}.vocab_size")
-        if vocab is None:
-            tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-            vocab = len(tokens.data) if tokens is not None else shapes["token_embd.weight"][1]
+        # The embedding's rows are the model's vocabulary (some files pad it past the
+        # tokenizer's token count, as HF's config.vocab_size does).
+        if "token_embd.weight" not in shapes:
+            raise ModelError(f"{self.path} lacks tensor token_embd.weight")
+        vocab = shapes["token_embd.weight"][1]  # ggml lists dims innermost first: [hidden, vocab]
         scaling = None
         kind = self._meta(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
