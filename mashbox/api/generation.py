@@ -268,19 +268,20 @@ class Generation:
                 if pieces:
                     yield Step(pieces, None)
             while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(it.__anext__())
-                if heartbeat_s is not None:
-                    done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
-                    if not done:
-                        yield None
-                        continue
                 try:
-                    ev: StepEvent = await pending
+                    if heartbeat_s is None:
+                        ev: StepEvent = await it.__anext__()
+                    else:
+                        # The pending read survives a heartbeat: waiting on it again loses nothing.
+                        if pending is None:
+                            pending = asyncio.ensure_future(it.__anext__())
+                        done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
+                        if not done:
+                            yield None
+                            continue
+                        ev, pending = pending.result(), None
                 except StopAsyncIteration:
                     raise GenerationError("the engine ended the request without a finish reason") from None
-                finally:
-                    pending = None
                 if ev.finish_reason == "error" and self._may_retry():
                     log.warning("request %s failed before any output reached its client (%s); running it "
                                 "again", self.id, ev.error)
