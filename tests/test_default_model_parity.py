@@ -1,0 +1,95 @@
+"""The default model end to end against transformers, the independent reference.
+
+transformers loads the same GGUF file itself (`gguf_file=`): its own dequantization, its
+own tokenizer and its own chat template rendering. For a handful of chat prompts the
+prompt ids must be equal, and mashbox's greedy tokens (engine worker, float32, several
+requests batched together) must equal transformers' greedy `generate`.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
+from mashbox.engine.client import EngineClient
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France? One word."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "Name three planets."}],
+    [{"role": "user", "content": "Write a haiku about the sea 🌊."},
+     {"role": "assistant", "content": "Waves fold into foam,"},
+     {"role": "user", "content": "Now one about mountains, in Français s'il vous plaît."}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nExplain this code."}],
+]
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    folder, name = os.path.split(default_model_path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    model.eval()
+    return hf_tok, model
+
+
+def hf_greedy(hf_tok, model, ids: list[int]) -> list[int]:
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=hf_tok.eos_token_id)
+    return out[0, len(ids):].tolist()  # ends with the EOS id when the turn ended
+
+
+def engine_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", slots=4, ctx=1024, dtype="float32",
+                       threads=1)
+
+    async def main():
+        client = EngineClient(cfg, ServerConfig())
+        await client.start()
+        try:
+            await client.wait_ready(timeout=300)
+            handles = [client.submit(GenerationRequest(
+                id=f"p{i}", tenant="t", prompt_ids=tuple(p), sampling=SamplingParams(),
+                max_tokens=NEW_TOKENS)) for i, p in enumerate(prompts)]
+
+            async def collect(h):
+                return [t async for ev in h for t in ev.token_ids]
+            return await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 300)
+        finally:
+            await client.stop()
+
+    return asyncio.run(main())
+
+
+def test_prompt_ids_and_greedy_tokens_equal_transformers(default_model_path, reference):
+    from mashbox.text.chat import ChatTemplate
+    from mashbox.text.tokenizer import load_tokenizer
+
+    hf_tok, model = reference
+    tok = load_tokenizer(default_model_path)
+    template = ChatTemplate(tok)
+    prompts = []
+    for conv in CONVERSATIONS:
+        ours = template.build(conv, add_generation_prompt=True).ids
+        theirs = hf_tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        if isinstance(theirs, dict) or hasattr(theirs, "input_ids"):
+            theirs = theirs["input_ids"]
+        assert list(ours) == list(theirs), conv
+        prompts.append(list(ours))
+
+    got = engine_greedy(default_model_path, prompts)
+    assert any(len(g) < NEW_TOKENS for g in got) and any(len(g) == NEW_TOKENS for g in got)
+    for conv, prompt, ours in zip(CONVERSATIONS, prompts, got):
+        expected = hf_greedy(hf_tok, model, prompt)
+        assert ours == expected, (conv[-1]["content"], tok.decode(ours), tok.decode(expected))
