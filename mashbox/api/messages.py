@@ -15,6 +15,9 @@ Rules:
   field.
 - Tools with a `type` other than "custom" are Anthropic server tools (web search, code
   execution, ...): mashbox cannot run them, so they are skipped, not refused.
+- A `role: system` message inside `messages` stays at its place as user text in
+  <system-reminder> tags (see add_system_note): joining it to the system prompt would
+  defeat the prefix cache for the whole conversation.
 - thinking: enabled / adaptive -> enable_thinking true; disabled or absent -> false
   (absent means no thinking in the Messages API).
 - Output (`MessageStream`): pieces from generation.py become content blocks in the
@@ -213,6 +216,23 @@ def _assistant_message(content: Any, field: str) -> dict:
     return msg
 
 
+def add_system_note(out: list[dict], text: str) -> None:
+    """A system message inside the conversation. Before any turn it joins the system
+    prompt. After one, it stays where it stands, as user text in <system-reminder> tags
+    (Claude Code's own convention for such notes): moving it into the system prompt
+    would change the prompt's first tokens, and the prefix cache could not serve any of
+    a long conversation again."""
+    if all(m["role"] == "system" for m in out):
+        out.append({"role": "system", "content": text})
+        return
+    note = f"<system-reminder>\n{text}\n</system-reminder>"
+    last = out[-1]
+    if last["role"] == "user":
+        last["content"] = f"{last['content']}\n\n{note}" if last["content"] else note
+    else:
+        out.append({"role": "user", "content": note})
+
+
 def conversation_messages(body: dict) -> list[dict]:
     """`system` + `messages` -> chat-template messages."""
     out: list[dict] = []
@@ -235,8 +255,7 @@ def conversation_messages(body: dict) -> list[dict]:
         elif role == "assistant":
             out.append(_assistant_message(content, f"{f}.content"))
         elif role == "system":
-            # Mid-conversation system message (Claude Code sends these).
-            out.append({"role": "system", "content": _text_of_blocks(content, f"{f}.content")})
+            add_system_note(out, _text_of_blocks(content, f"{f}.content"))
         else:
             raise bad_request(f"{f}.role", "must be user, assistant or system")
     return out

@@ -6,7 +6,9 @@ Rules:
   parts), function_call, function_call_output, custom_tool_call(_output),
   local_shell_call(_output), reasoning. Assistant-side items that follow each other
   (reasoning, assistant message, calls) form one assistant turn; outputs become tool
-  messages. Image, audio and file parts are a 400 naming the part (text-only model).
+  messages. A system / developer message after the first turn stays at its place as
+  user text in <system-reminder> tags (messages.add_system_note: the prompt's start,
+  and so the prefix cache, stays the same turn to turn). Image, audio and file parts are a 400 naming the part (text-only model).
   Other item types carry nothing a text model can use and are skipped (logged), except
   item_reference: nothing is stored here to resolve it, so it is a 400.
 - Tools: function (strict is accepted; the call's arguments are whatever the model
@@ -37,6 +39,7 @@ from typing import Any, AsyncIterator, Optional
 from mashbox.api import common
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure
+from mashbox.api.messages import add_system_note
 from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
 from mashbox.http import sse
 from mashbox.http.response import json_response
@@ -306,7 +309,7 @@ def conversation_messages(body: dict) -> list[dict]:
             role = item.get("role")
             text = _parts_text(item.get("content"), f"{f}.content")
             if role in ("system", "developer"):
-                turns.plain("system", text)
+                add_system_note(turns.messages, text)
             elif role == "user":
                 turns.plain("user", text)
             elif role == "assistant":

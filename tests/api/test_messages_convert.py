@@ -77,8 +77,25 @@ def test_user_blocks_tool_results_and_mid_conversation_system():
                          "function": {"name": "Bash", "arguments": {"command": "ls"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py\nb.py"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: denied"},
-        {"role": "user", "content": "thanks"},
-        {"role": "system", "content": "The user switched to plan mode."},
+        {"role": "user", "content": "thanks\n\n<system-reminder>\nThe user switched to plan mode.\n</system-reminder>"},
+    ]
+
+
+def test_system_messages_in_the_list_keep_their_place():
+    c = conv(system="S", messages=[
+        {"role": "system", "content": "early note"},  # before any turn: joins the system prompt
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "system", "content": [{"type": "text", "text": "late note"}]},
+        {"role": "user", "content": "next"},
+    ])
+    assert c.messages == [
+        {"role": "system", "content": "S"},
+        {"role": "system", "content": "early note"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "<system-reminder>\nlate note\n</system-reminder>"},
+        {"role": "user", "content": "next"},
     ]
 
 

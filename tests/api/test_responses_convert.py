@@ -72,6 +72,7 @@ def test_items_become_turns():
         {"type": "local_shell_call_output", "id": "call_4", "output": "/tmp"},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Fixed."}]},
         {"type": "compaction_summary", "encrypted_content": "zz"},  # unknown: skipped
+        {"type": "message", "role": "developer", "content": "sandbox changed"},  # later: stays in place
     ])
     assert c.messages == [
         {"role": "system", "content": "rules"},
@@ -93,6 +94,7 @@ def test_items_become_turns():
                                                                             "env": {}}}}]},
         {"role": "tool", "tool_call_id": "call_4", "content": "/tmp"},
         {"role": "assistant", "content": "Fixed."},
+        {"role": "user", "content": "<system-reminder>\nsandbox changed\n</system-reminder>"},
     ]
 
 
