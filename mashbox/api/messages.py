@@ -394,6 +394,7 @@ class MessageStream:
         self.blocks: list[dict] = []
         self._open: Optional[str] = None  # "thinking" | "text" | "tool_use" | None
         self._args: list[str] = []  # the open tool call's argument text
+        self._pending_space = ""  # whitespace that may yet start a text block
 
     @property
     def called_tool(self) -> bool:
@@ -416,6 +417,7 @@ class MessageStream:
 
     def _open_block(self, block: dict) -> list[tuple[str, dict]]:
         events = self._close()
+        self._pending_space = ""
         self.blocks.append(block)
         self._open = block["type"]
         start = dict(block)
@@ -467,6 +469,13 @@ class MessageStream:
     def text(self, text: str) -> list[tuple[str, dict]]:
         if not text:
             return []
+        if self._open != "text":
+            # Whitespace alone (the newline between thoughts and a call) opens no block.
+            text = self._pending_space + text
+            if not text.strip():
+                self._pending_space = text
+                return []
+            self._pending_space = ""
         events = [] if self._open == "text" else self._open_block({"type": "text", "text": ""})
         self.blocks[-1]["text"] += text
         events.append(self._delta({"type": "text_delta", "text": text}))

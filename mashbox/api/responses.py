@@ -451,6 +451,7 @@ class ResponseStream:
         self.items: list[dict] = []
         self._open: Optional[str] = None
         self._args: list[str] = []
+        self._pending_space = ""  # whitespace that may yet start a message item
         self._seq = 0
 
     # -- events
@@ -490,6 +491,7 @@ class ResponseStream:
 
     def _open_item(self, item: dict) -> list[tuple[str, dict]]:
         events = self._close()
+        self._pending_space = ""
         self.items.append(item)
         self._open = item["type"]
         added = dict(item)
@@ -559,6 +561,13 @@ class ResponseStream:
     def text(self, text: str) -> list[tuple[str, dict]]:
         if not text:
             return []
+        if self._open != "message":
+            # Whitespace alone (the newline between thoughts and a call) opens no item.
+            text = self._pending_space + text
+            if not text.strip():
+                self._pending_space = text
+                return []
+            self._pending_space = ""
         events = [] if self._open == "message" else self._open_item({
             "id": common.new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
             "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],

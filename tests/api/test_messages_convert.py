@@ -257,3 +257,13 @@ def test_empty_answer_and_bad_tool_arguments():
 def test_error_event_shape():
     name, payload = m.error_event("boom", request_id="msg_1")
     assert name == "error" and payload["error"] == {"type": "api_error", "message": "boom"}
+
+
+def test_whitespace_alone_opens_no_text_block():
+    events, message = run_pieces([Piece("reasoning", "hm"), Piece("text", "\n"), Piece("text", "\n"),
+                                  Piece("tool_start", index=0, id="toolu_1", name="Read"),
+                                  Piece("tool_args", "{}", index=0), Piece("tool_end", index=0),
+                                  Piece("text", "\n"), Piece("text", "Done.")])
+    assert [b["type"] for b in message["content"]] == ["thinking", "tool_use", "text"]
+    assert message["content"][2]["text"] == "\nDone."  # kept once real text follows
+    assert sdk_snapshot(events).content[2].text == "\nDone."

@@ -292,3 +292,11 @@ def test_custom_input_rules():
     assert r.custom_input('{"input": "raw"}') == "raw"
     assert r.custom_input("not json") == "not json"
     assert r.custom_input('{"patch": "x"}') == '{"patch": "x"}'
+
+
+def test_whitespace_alone_opens_no_message_item():
+    events, final = run_pieces([Piece("reasoning", "hm"), Piece("text", "\n\n"),
+                                Piece("tool_start", index=0, id="call_1", name="shell"),
+                                Piece("tool_args", "{}", index=0), Piece("tool_end", index=0)])
+    assert [o["type"] for o in final["output"]] == ["reasoning", "function_call"]
+    sdk_final(events)
