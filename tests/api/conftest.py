@@ -2,7 +2,8 @@
 
 Fixtures:
 - `server` (session): a running `mashbox run` subprocess on a free 127.0.0.1 port, with
-  --slots 4 --ctx 4096; waits until GET /health is 200, stops the process at the end.
+  --slots 4 --ctx 4096; waits until GET /health is 200, stops the process with SIGTERM
+  at the end and checks that it exited 0.
   Its `.base_url` is "http://127.0.0.1:PORT", `.model_id` what /v1/models reports.
 - `base_url`, `model_id`: the same, as plain values.
 - `openai_client`: an `openai.OpenAI` pointed at the server (no retries, so a status
@@ -103,6 +104,8 @@ def server(default_model_path, tmp_path_factory):
         yield s
     finally:
         stop_server(s)
+    # SIGTERM is a clean shutdown: the server stops its worker and exits 0.
+    assert s.process.returncode == 0, f"mashbox run exited with {s.process.returncode}:\n{s.log_tail()}"
 
 
 @pytest.fixture(scope="session")
