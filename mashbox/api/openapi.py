@@ -13,8 +13,9 @@ import orjson
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.http.response import HTTPError, Response
 
-OPENAPI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "openapi.json")
+# Shipped inside the package (package data) so an installed server serves it too; the
+# repository's top-level openapi.json is a link to this file.
+OPENAPI_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "openapi.json")
 
 
 def load(path: str = OPENAPI_PATH) -> dict:
