@@ -49,15 +49,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 5.0, headers: dict | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
-def start_server(model_path: str, tmp_dir: str, extra_args: tuple = ()) -> RunningServer:
+def start_server(model_path: str, tmp_dir: str, extra_args: tuple = (), headers: dict | None = None) -> RunningServer:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"mashbox-{port}.log")
     log = open(log_path, "wb")
@@ -81,7 +81,7 @@ def start_server(model_path: str, tmp_dir: str, extra_args: tuple = ()) -> Runni
             stop_server(server)
             raise RuntimeError(f"mashbox run was not ready after {STARTUP_TIMEOUT_S:.0f} s:\n{server.log_tail()}")
         time.sleep(0.5)
-    _, body = http_get(base + "/v1/models")
+    _, body = http_get(base + "/v1/models", headers=headers)
     server.model_id = json.loads(body)["data"][0]["id"]
     return server
 
@@ -123,3 +123,19 @@ def openai_client(server):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def start_mashbox(default_model_path, tmp_path):
+    """Start extra servers with their own flags (later flags win: `--slots 1` overrides);
+    each is stopped when the test ends."""
+    started: list[RunningServer] = []
+
+    def start(*extra_args: str, headers: dict | None = None) -> RunningServer:
+        s = start_server(default_model_path, str(tmp_path), tuple(extra_args), headers=headers)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        stop_server(s)
