@@ -6,7 +6,8 @@ Every step:
    to prompt chunks: first to requests already PREFILLING, in admission order, then to
    WAITING requests, each admitted into the free slot with the longest cached prefix of
    its prompt (`PrefixCache.lookup`). A request joins the batch the step after it
-   arrives; it never waits for others to finish, only for a free slot.
+   arrives; it never waits for others to finish, only for a free slot. Among waiting
+   requests, the oldest one of the tenant holding the fewest slots goes first.
 3. A row whose chunk completes the prompt samples the first new token.
 
 After the runner ran the plan, `advance(plan)` records the computed K/V, the worker
@@ -103,7 +104,7 @@ class Scheduler:
                 budget -= self._prefill_row(r, budget, rows)
         admitted: list[Request] = []
         while budget > 0 and self.waiting and self.slots.free_slots:
-            r = self.waiting.popleft()
+            r = self._next_waiting()
             self._admit(r)
             admitted.append(r)
             budget -= self._prefill_row(r, budget, rows)
@@ -151,6 +152,18 @@ class Scheduler:
         return r
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _next_waiting(self) -> Request:
+        """The oldest waiting request of the tenant holding the fewest slots, so one
+        tenant's burst does not make the others wait behind all of it."""
+        if len(self.waiting) > 1:
+            held = collections.Counter(r.req.tenant for r in self.running.values())
+            i = min(range(len(self.waiting)), key=lambda j: (held[self.waiting[j].req.tenant], j))
+            if i:
+                r = self.waiting[i]
+                del self.waiting[i]
+                return r
+        return self.waiting.popleft()
 
     def _admit(self, r: Request) -> None:
         prompt = np.asarray(r.token_ids[: r.num_prompt], dtype=np.int32)

@@ -16,8 +16,8 @@ from mashbox.engine.request import IllegalTransition, Request, State
 from mashbox.engine.scheduler import Scheduler
 
 
-def req(rid: str, prompt, max_tokens: int = 8) -> Request:
-    return Request(GenerationRequest(id=rid, tenant="t", prompt_ids=tuple(prompt),
+def req(rid: str, prompt, max_tokens: int = 8, tenant: str = "t") -> Request:
+    return Request(GenerationRequest(id=rid, tenant=tenant, prompt_ids=tuple(prompt),
                                      sampling=SamplingParams(), max_tokens=max_tokens))
 
 
@@ -273,3 +273,19 @@ def test_slot_tokens_hold_prompt_and_generated_ids():
     assert list(s.slots.tokens[a.slot, :n]) == [3, 4, 5, 11, 12]
     assert s.slots.kv_len[a.slot] == 4
     assert np.array_equal(s.slots.tokens[a.slot, :n], np.asarray(a.token_ids))
+
+
+def test_waiting_tenants_take_turns():
+    s = Scheduler(num_slots=2, ctx=64, prefill_chunk=64, prefix_block=4)
+    burst = [req(f"a{i}", [1, 2, i], tenant="alice") for i in range(5)]
+    for r in burst:
+        s.add(r)
+    bob = req("b0", [3, 4], tenant="bob")
+    s.add(bob)
+    first = drive(s).admitted
+    assert first == (burst[0], bob)  # bob holds no slot: he goes before alice's second
+    s.finish(burst[0], "stop")
+    assert drive(s).admitted == (burst[1],)  # then FIFO within alice
+    s.finish(bob, "stop")
+    s.add(req("b1", [5], tenant="bob"))
+    assert [r.id for r in drive(s).admitted] == ["b1"]  # alice holds 1 slot, bob none
