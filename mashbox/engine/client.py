@@ -455,6 +455,7 @@ class EngineClient:
             "prefix_cache_lookups": counters.get("prefix_lookups", 0),
             "prefix_cache_hits": counters.get("prefix_hits", 0),
             "prefix_cache_hit_tokens": counters.get("prefix_hit_tokens", 0),
+            "prefix_cache_copies": counters.get("prefix_copies", 0),  # from a running slot
             "preemptions": 0,
             "compiles_after_ready": 0 if self.state == "ok" else None,  # eager torch: none
             "histograms": {

@@ -9,21 +9,38 @@ again, since its logits give the first new token.
 
 With no block in common, the slot whose cache is least valuable is taken (empty first,
 then least recently released), so recent conversations stay cached longest.
+
+A slot still owned by a running request may hold a longer prefix (parallel requests with
+the same long system prompt, as agents send them). Owned slots are compared token by
+token (their hashes are only refreshed at release), and when one holds at least
+`min_copy` more tokens than the best free slot, the lookup asks for a copy: the K/V of
+those tokens are copied from that slot into the free slot taken (`Lookup.copy_from`),
+which costs a memory copy instead of a prefill.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from typing import NamedTuple, Optional
+
 from mashbox import native
 from mashbox.engine.slots import SlotTable
 
 
+class Lookup(NamedTuple):
+    slot: int  # the free slot the request takes
+    cached: int  # prompt tokens whose K/V it need not compute
+    copy_from: Optional[int]  # copy K/V [0, cached) from this slot first; None: in place
+
+
 class PrefixCache:
-    def __init__(self, slots: SlotTable, block: int) -> None:
+    def __init__(self, slots: SlotTable, block: int, min_copy: Optional[int] = None) -> None:
         if block < 1:
             raise ValueError("prefix block must be >= 1")
         self.slots = slots
         self.block = block
+        self.min_copy = block if min_copy is None else min_copy
+        self.copies = 0  # lookups served by a copy from an owned slot
         self.max_blocks = slots.ctx // block + 1
         self.table = np.zeros((slots.num_slots, self.max_blocks), dtype=np.uint64)  # [slots, max_blocks]
         self.counts = np.zeros(slots.num_slots, dtype=np.int32)  # [slots] valid hashes per row
@@ -42,8 +59,9 @@ class PrefixCache:
         """The slot is being overwritten from position 0 on."""
         self.counts[slot] = 0
 
-    def lookup(self, prompt_ids: np.ndarray) -> tuple[int, int]:
-        """(slot, cached tokens) for a prompt among the free slots; counts the lookup.
+    def lookup(self, prompt_ids: np.ndarray) -> Lookup:
+        """Which free slot a prompt takes and how many of its tokens are cached; counts
+        the lookup.
 
         prompt_ids: int32[n]. Raises RuntimeError when no slot is free.
         """
@@ -62,10 +80,27 @@ class PrefixCache:
             slot, blocks = self.slots.eviction_choice(), 0
         matched = self._extend(slot, prompt_ids, blocks * self.block)
         matched = max(min(matched, limit), 0)
+        source = None
+        owned, owned_matched = self._best_owned(prompt_ids, limit)
+        if owned >= 0 and owned_matched >= matched + self.min_copy:
+            # overwrite the least valuable free slot, not the one that matched a little
+            slot, matched, source = self.slots.eviction_choice(), owned_matched, owned
+            self.copies += 1
         if matched:
             self.hits += 1
             self.hit_tokens += matched
-        return slot, matched
+        return Lookup(slot, matched, source)
+
+    def _best_owned(self, prompt_ids: np.ndarray, limit: int) -> tuple[int, int]:
+        """(slot, matched tokens) of the owned slot sharing the longest computed prefix."""
+        best, best_n = -1, 0
+        for s in range(self.slots.num_slots):
+            if self.slots.owner[s] is None:
+                continue
+            n = max(min(self._extend(s, prompt_ids, 0), limit), 0)
+            if n > best_n:
+                best, best_n = s, n
+        return best, best_n
 
     def _extend(self, slot: int, prompt_ids: np.ndarray, start: int) -> int:
         cached = self.slots.tokens[slot, : int(self.slots.kv_len[slot])]

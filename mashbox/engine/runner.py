@@ -120,6 +120,10 @@ class Runner:
         if self._ids_dev is not self._ids_host:
             self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
             self._pos_dev[:T].copy_(self._pos_host[:T], non_blocking=True)
+        for src, dst, n in plan.copies:
+            # K/V of a prompt prefix another slot computed: [layers, kv_heads, n, head_dim]
+            self.cache.k[:, dst, :, :n].copy_(self.cache.k[:, src, :, :n])
+            self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
         batch = decoder_mod.Batch(
             input_ids=self._ids_dev[:T],
             positions=self._pos_dev[:T],

@@ -5,7 +5,8 @@ Every step:
 2. The rest of the token budget (`prefill_chunk` minus the decode rows, at least 1) goes
    to prompt chunks: first to requests already PREFILLING, in admission order, then to
    WAITING requests, each admitted into the free slot with the longest cached prefix of
-   its prompt (`PrefixCache.lookup`). A request joins the batch the step after it
+   its prompt (`PrefixCache.lookup`), or into any free slot with a copy of a longer
+   prefix that a running request's slot holds (the plan's `copies`). A request joins the batch the step after it
    arrives; it never waits for others to finish, only for a free slot. Among waiting
    requests, the oldest one of the tenant holding the fewest slots goes first.
 3. A row whose chunk completes the prompt samples the first new token.
@@ -43,6 +44,8 @@ class Row:
 class StepPlan:
     rows: tuple[Row, ...]
     admitted: tuple[Request, ...]  # got a slot this step
+    # (src slot, dst slot, tokens): K/V [0, tokens) to copy before the forward
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -103,12 +106,13 @@ class Scheduler:
             if r.state is State.PREFILLING:
                 budget -= self._prefill_row(r, budget, rows)
         admitted: list[Request] = []
+        copies: list[tuple[int, int, int]] = []
         while budget > 0 and self.waiting and self.slots.free_slots:
             r = self._next_waiting()
-            self._admit(r)
+            self._admit(r, copies)
             admitted.append(r)
             budget -= self._prefill_row(r, budget, rows)
-        return StepPlan(tuple(rows), tuple(admitted))
+        return StepPlan(tuple(rows), tuple(admitted), tuple(copies))
 
     def advance(self, plan: StepPlan) -> None:
         """The runner computed the plan's K/V."""
@@ -165,9 +169,12 @@ class Scheduler:
                 return r
         return self.waiting.popleft()
 
-    def _admit(self, r: Request) -> None:
+    def _admit(self, r: Request, copies: list[tuple[int, int, int]]) -> None:
         prompt = np.asarray(r.token_ids[: r.num_prompt], dtype=np.int32)
-        slot, cached = self.prefix.lookup(prompt)
+        slot, cached, source = self.prefix.lookup(prompt)
+        if source is not None:
+            self.slots.copy_prefix(source, slot, cached)
+            copies.append((source, slot, cached))
         self.slots.acquire(slot, r.id, r.token_ids, keep=cached)
         r.slot = slot
         r.num_computed = cached

@@ -65,6 +65,16 @@ class SlotTable:
         self.kv_len[slot] = keep
         self.tokens[slot, keep:n] = token_ids[keep:n]
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Free slot `dst` now holds the first `n` computed tokens of slot `src` (the
+        runner copies their K/V before the step's forward)."""
+        if self.owner[dst] is not None:
+            raise RuntimeError(f"slot {dst} is owned by {self.owner[dst]}")
+        if n > self.kv_len[src]:
+            raise ValueError(f"copy of {n} tokens > {self.kv_len[src]} computed in slot {src}")
+        self.tokens[dst, :n] = self.tokens[src, :n]
+        self.kv_len[dst] = n
+
     def append(self, slot: int, position: int, token_id: int) -> None:
         """Record a sampled token at `position` (its K/V comes next step)."""
         self.tokens[slot, position] = token_id

@@ -75,7 +75,8 @@ class Engine:
 
     def counters(self) -> dict:
         p = self.scheduler.prefix
-        return {"prefix_lookups": p.lookups, "prefix_hits": p.hits, "prefix_hit_tokens": p.hit_tokens}
+        return {"prefix_lookups": p.lookups, "prefix_hits": p.hits, "prefix_hit_tokens": p.hit_tokens,
+                "prefix_copies": p.copies}
 
     @property
     def has_work(self) -> bool:

@@ -192,6 +192,28 @@ def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
     assert b[0] == hf_greedy(tiny, second, 6)
 
 
+def test_running_request_prefix_is_copied_not_recomputed(tiny, tiny_tok):
+    import random
+
+    rnd = random.Random(11)
+    prefix = [rnd.randrange(2, 320) for _ in range(1000)]
+    first = prefix + [11, 12, 13]
+    second = prefix + [21, 22, 23, 24, 25]
+
+    async def main(client):
+        a = client.submit(greq("a", first, 300))
+        await first_event(a, want_tokens=True)  # a is decoding: its slot holds the prefix
+        b = await collect(client.submit(greq("b", second, 6)))
+        a.cancel()
+        await collect(a)
+        return b, client.stats()
+
+    b, stats = run(main, engine_cfg(tiny, slots=2, prefill_chunk=256))
+    assert b[2].timings.cache_n == 1000 and b[2].timings.prompt_n == 5
+    assert stats["prefix_cache_copies"] == 1
+    assert b[0] == hf_greedy(tiny, second, 6)  # the copied K/V give the right tokens
+
+
 def test_cancel_queued_prefilling_and_decoding(tiny, tiny_tok):
     long_prompt = [(i * 7) % 300 + 2 for i in range(1800)]
 

@@ -289,3 +289,48 @@ def test_waiting_tenants_take_turns():
     s.finish(bob, "stop")
     s.add(req("b1", [5], tenant="bob"))
     assert [r.id for r in drive(s).admitted] == ["b1"]  # alice holds 1 slot, bob none
+
+
+# -- prefix copies from running slots ------------------------------------------------------
+
+
+def test_prefix_held_by_a_running_request_is_copied_to_a_free_slot():
+    s = Scheduler(num_slots=3, ctx=256, prefill_chunk=256, prefix_block=8)
+    shared = list(range(500, 540))  # a 40-token system prompt
+    a = req("a", shared + [1, 2], max_tokens=50)
+    s.add(a)
+    drive(s)
+    drive(s)  # a decodes; its slot holds the shared prompt
+    b = req("b", shared + [7, 8, 9])
+    s.add(b)
+    plan = drive(s)
+    assert b.slot != a.slot and b.num_cached == 40
+    assert plan.copies == ((a.slot, b.slot, 40),)
+    assert rows_by_id(plan)["b"].token_ids == (7, 8, 9) and rows_by_id(plan)["b"].start == 40
+    assert list(s.slots.tokens[b.slot, :43]) == shared + [7, 8, 9]
+    assert s.prefix.copies == 1 and s.prefix.hit_tokens == 40
+    assert a.state is State.DECODING  # the source keeps running
+
+
+def test_no_copy_when_a_free_slot_matches_as_well_or_the_gain_is_small():
+    s = Scheduler(num_slots=3, ctx=256, prefill_chunk=256, prefix_block=8)
+    shared = list(range(500, 540))
+    done = req("done", shared + [1])
+    s.add(done)
+    drive(s)
+    runner_ = req("run", shared + [2], max_tokens=50)
+    s.add(runner_)
+    drive(s)
+    s.finish(done, "stop")  # its slot is free and holds the shared prompt
+    c = req("c", shared + [3])
+    s.add(c)
+    plan = drive(s)
+    assert c.slot == done.slot and c.num_cached == 40 and plan.copies == ()
+    # 5 shared tokens are fewer than one block: not worth a copy
+    s2 = Scheduler(num_slots=2, ctx=256, prefill_chunk=256, prefix_block=8)
+    x = req("x", [1, 2, 3, 4, 5, 6, 7], max_tokens=50)
+    s2.add(x)
+    drive(s2)
+    y = req("y", [1, 2, 3, 4, 5, 9, 9])
+    s2.add(y)
+    assert drive(s2).copies == () and y.num_cached == 0
