@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
-from mashbox.api import common
+from mashbox.api import answer, common
+from mashbox.api.answer import Answer
 from mashbox.api.common import ANTHROPIC, ApiContext
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure
+from mashbox.api.generation import EventStream, Generation, Result
 from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt, count_chat_tokens
-from mashbox.http import sse
 from mashbox.http.response import json_response
 from mashbox.http.sse import StreamResponse
 
@@ -368,7 +367,7 @@ def usage_block(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> d
     }
 
 
-class MessageStream:
+class MessageStream(Answer):
     """One answer as Messages content blocks and stream events.
 
     Each method takes one parsed piece and returns the events it causes, as
@@ -387,14 +386,19 @@ class MessageStream:
     input as JSON, so only text that is known to parse may be sent.
     """
 
+    NAME = "messages"
+    TEXT_KIND = "text"
+    CALL_KINDS = ("tool_use",)
+
     def __init__(self, message_id: str, model: str, prompt_tokens: int):
-        self.id = message_id
+        super().__init__(message_id)  # _open: "thinking" | "text" | "tool_use" | None
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.blocks: list[dict] = []
-        self._open: Optional[str] = None  # "thinking" | "text" | "tool_use" | None
-        self._args: list[str] = []  # the open tool call's argument text
-        self._pending_space = ""  # whitespace that may yet start a text block
+
+    @property
+    def heartbeat_s(self) -> float:
+        return PING_S  # read at run time: tests shorten it
 
     @property
     def called_tool(self) -> bool:
@@ -467,15 +471,9 @@ class MessageStream:
         return events
 
     def text(self, text: str) -> list[tuple[str, dict]]:
+        text = self._unheld_text(text)
         if not text:
             return []
-        if self._open != "text":
-            # Whitespace alone (the newline between thoughts and a call) opens no block.
-            text = self._pending_space + text
-            if not text.strip():
-                self._pending_space = text
-                return []
-            self._pending_space = ""
         events = [] if self._open == "text" else self._open_block({"type": "text", "text": ""})
         self.blocks[-1]["text"] += text
         events.append(self._delta({"type": "text_delta", "text": text}))
@@ -485,30 +483,9 @@ class MessageStream:
         return self._open_block({"type": "tool_use", "id": call_id or new_tool_use_id(), "name": name, "input": {}})
 
     def tool_args(self, delta: str) -> list[tuple[str, dict]]:
-        if self._open != "tool_use":
-            raise RuntimeError("tool arguments without an open tool call")
+        self._require_call()
         self._args.append(delta)
         return []
-
-    def tool_end(self) -> list[tuple[str, dict]]:
-        if self._open != "tool_use":
-            raise RuntimeError("tool call end without an open tool call")
-        return self._close()
-
-    def feed(self, piece) -> list[tuple[str, dict]]:
-        """One generation.Piece -> its events."""
-        kind = piece.kind
-        if kind == "text":
-            return self.text(piece.text)
-        if kind == "reasoning":
-            return self.reasoning(piece.text)
-        if kind == "tool_start":
-            return self.tool_start(piece.name, piece.id)
-        if kind == "tool_args":
-            return self.tool_args(piece.text)
-        if kind == "tool_end":
-            return self.tool_end()
-        raise ValueError(f"unknown piece kind {kind!r}")
 
     # -- the end
 
@@ -530,6 +507,15 @@ class MessageStream:
         }))
         events.append(("message_stop", {"type": "message_stop"}))
         return events
+
+    def end(self, result: Result, usage: dict) -> list[tuple[str, dict]]:
+        return self.finish(result.finish_reason, result.stop_sequence, usage)
+
+    def fail(self, message: str) -> list[tuple[str, dict]]:
+        return [error_event(message, request_id=self.id)]
+
+    def keepalive(self) -> list[tuple[str, dict]]:
+        return [ping()]
 
     def message(self, finish_reason: str, stop_sequence: Optional[str], usage: dict) -> dict:
         self._close()
@@ -589,41 +575,6 @@ def result_usage(result: Result) -> dict:
     return usage_block(result.prompt_tokens, result.cached_tokens, result.completion_tokens)
 
 
-def _frame(pair: tuple[str, dict]) -> bytes:
-    return sse.event(pair[0], pair[1])
-
-
-async def _stream(gen: Generation, ms: MessageStream) -> AsyncIterator[bytes]:
-    last_sent = time.monotonic()
-    try:
-        for pair in ms.start():
-            yield _frame(pair)
-        async for step in gen.steps(heartbeat_s=PING_S):
-            events = []
-            if step is not None:
-                for piece in step.pieces:
-                    events.extend(ms.feed(piece))
-                if step.finished:
-                    r = gen.result
-                    events.extend(ms.finish(r.finish_reason, r.stop_sequence, result_usage(r)))
-            if events:
-                gen.output_sent = True
-            elif time.monotonic() - last_sent >= PING_S:
-                # Nothing to say (prefill, or a long tool call held back): keep the stream alive.
-                events.append(ping())
-            for pair in events:
-                yield _frame(pair)
-            if events:
-                last_sent = time.monotonic()
-            if step is not None and step.finished:
-                return
-    except GenerationError as exc:
-        yield _frame(error_event(f"The request failed on the device: {exc}", request_id=ms.id))
-    except Exception as exc:  # a bug here must still end the stream the way the API says
-        log.exception("messages stream %s failed", ms.id)
-        yield _frame(error_event(f"The server failed while streaming: {exc}", request_id=ms.id))
-
-
 def routes(api: ApiContext) -> list:
     async def create_message(req):
         common.require_ready(api, ANTHROPIC)
@@ -637,14 +588,8 @@ def routes(api: ApiContext) -> list:
         gen.submit()
         ms = MessageStream(mid, model, len(prompt.ids))
         if stream:
-            return StreamResponse(EventStream(_stream(gen, ms), gen))
-        try:
-            async for step in gen.steps():
-                for piece in step.pieces:
-                    ms.feed(piece)
-        except GenerationError as exc:
-            raise finish_failure(exc, ANTHROPIC) from None
-        r = gen.result
+            return StreamResponse(EventStream(answer.frames(gen, ms, result_usage), gen))
+        r = await answer.collect(gen, ms, ANTHROPIC)
         return json_response(ms.message(r.finish_reason, r.stop_sequence, result_usage(r)))
 
     async def count_tokens(req):

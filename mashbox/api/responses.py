@@ -31,17 +31,18 @@ Rules:
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
-from mashbox.api import common
+from mashbox.api import answer, common
+from mashbox.api.answer import Answer
 from mashbox.api.common import OPENAI, ApiContext
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure
+from mashbox.api.generation import EventStream, Generation, Result
 from mashbox.api.messages import add_system_note
 from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
-from mashbox.http import sse
 from mashbox.http.response import json_response
 from mashbox.http.sse import StreamResponse
 
@@ -424,7 +425,7 @@ def custom_input(arguments: str) -> str:
     return arguments
 
 
-class ResponseStream:
+class ResponseStream(Answer):
     """One answer as Responses output items and stream events.
 
     Methods take one parsed piece and return the events it causes, as (type, payload)
@@ -442,16 +443,17 @@ class ResponseStream:
     so it goes out as one delta then.
     """
 
+    NAME = "responses"
+    TEXT_KIND = "message"
+    CALL_KINDS = ("function_call", "custom_tool_call")
+
     def __init__(self, response_id: str, model: str, created_at: int, echo: dict, refs: dict[str, ToolRef]):
-        self.id = response_id
+        super().__init__(response_id)
         self.model = model
         self.created_at = created_at
         self.echo = echo  # request fields the Response repeats (tools, tool_choice, ...)
         self.refs = refs
         self.items: list[dict] = []
-        self._open: Optional[str] = None
-        self._args: list[str] = []
-        self._pending_space = ""  # whitespace that may yet start a message item
         self._seq = 0
 
     # -- events
@@ -559,15 +561,9 @@ class ResponseStream:
         return events
 
     def text(self, text: str) -> list[tuple[str, dict]]:
+        text = self._unheld_text(text)
         if not text:
             return []
-        if self._open != "message":
-            # Whitespace alone (the newline between thoughts and a call) opens no item.
-            text = self._pending_space + text
-            if not text.strip():
-                self._pending_space = text
-                return []
-            self._pending_space = ""
         events = [] if self._open == "message" else self._open_item({
             "id": common.new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
             "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
@@ -592,8 +588,7 @@ class ResponseStream:
         return self._open_item(item)
 
     def tool_args(self, delta: str) -> list[tuple[str, dict]]:
-        if self._open not in ("function_call", "custom_tool_call"):
-            raise RuntimeError("tool arguments without an open tool call")
+        self._require_call()
         if not delta:
             return []
         self._args.append(delta)
@@ -601,26 +596,6 @@ class ResponseStream:
             return []
         return [self._event("response.function_call_arguments.delta", item_id=self.items[-1]["id"],
                             output_index=self._index(), delta=delta)]
-
-    def tool_end(self) -> list[tuple[str, dict]]:
-        if self._open not in ("function_call", "custom_tool_call"):
-            raise RuntimeError("tool call end without an open tool call")
-        return self._close()
-
-    def feed(self, piece) -> list[tuple[str, dict]]:
-        """One generation.Piece -> its events."""
-        kind = piece.kind
-        if kind == "text":
-            return self.text(piece.text)
-        if kind == "reasoning":
-            return self.reasoning(piece.text)
-        if kind == "tool_start":
-            return self.tool_start(piece.name, piece.id)
-        if kind == "tool_args":
-            return self.tool_args(piece.text)
-        if kind == "tool_end":
-            return self.tool_end()
-        raise ValueError(f"unknown piece kind {kind!r}")
 
     # -- the end
 
@@ -630,6 +605,9 @@ class ResponseStream:
         kind = "response.incomplete" if obj["status"] == "incomplete" else "response.completed"
         events.append(self._event(kind, response=obj))
         return events
+
+    def end(self, result: Result, usage: dict) -> list[tuple[str, dict]]:
+        return self.finish(result.finish_reason, usage)
 
     def final(self, finish_reason: str, usage: dict) -> dict:
         self._close()
@@ -690,35 +668,6 @@ def result_usage(api: ApiContext, result: Result) -> dict:
     return usage_block(result.prompt_tokens, result.cached_tokens, result.completion_tokens, reasoning_tokens)
 
 
-def _frame(pair: tuple[str, dict]) -> bytes:
-    return sse.event(pair[0], pair[1])
-
-
-async def _stream(api: ApiContext, gen: Generation, rs: ResponseStream) -> AsyncIterator[bytes]:
-    try:
-        for pair in rs.start():
-            yield _frame(pair)
-        async for step in gen.steps():
-            events = []
-            for piece in step.pieces:
-                events.extend(rs.feed(piece))
-            if step.finished:
-                events.extend(rs.finish(gen.result.finish_reason, result_usage(api, gen.result)))
-            if events:
-                gen.output_sent = True
-            for pair in events:
-                yield _frame(pair)
-            if step.finished:
-                return
-    except GenerationError as exc:
-        for pair in rs.fail(f"The request failed on the device: {exc}"):
-            yield _frame(pair)
-    except Exception as exc:  # a bug here must still end the stream the way the API says
-        log.exception("responses stream %s failed", rs.id)
-        for pair in rs.fail(f"The server failed while streaming: {exc}"):
-            yield _frame(pair)
-
-
 def routes(api: ApiContext) -> list:
     async def create_response(req):
         common.require_ready(api, OPENAI)
@@ -730,14 +679,10 @@ def routes(api: ApiContext) -> list:
         gen = Generation(api, prompt, fields, OPENAI, tenant=req.tenant, request_id=rid, tool_id_prefix="call_")
         gen.submit()
         rs = ResponseStream(rid, api.model_id, common.now(), echo, refs)
+        usage = functools.partial(result_usage, api)
         if stream:
-            return StreamResponse(EventStream(_stream(api, gen, rs), gen))
-        try:
-            async for step in gen.steps():
-                for piece in step.pieces:
-                    rs.feed(piece)
-        except GenerationError as exc:
-            raise finish_failure(exc, OPENAI) from None
-        return json_response(rs.final(gen.result.finish_reason, result_usage(api, gen.result)))
+            return StreamResponse(EventStream(answer.frames(gen, rs, usage), gen))
+        r = await answer.collect(gen, rs, OPENAI)
+        return json_response(rs.final(r.finish_reason, usage(r)))
 
     return [("POST", "/v1/responses", create_response, OPENAI)]
