@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from mashbox.api import answer, common
 from mashbox.api.answer import Answer
@@ -68,26 +68,36 @@ def new_tool_use_id() -> str:
 # ---------------------------------------------------------------- request -> conversation
 
 
+def _blocks(content: Any, field: str) -> Iterator[tuple[str, Any, dict]]:
+    """(field path, type, block) of each block of a content list; anything else is a 400.
+    Checked as it is iterated, so the first bad block in order is the one a 400 names."""
+    if not isinstance(content, list):
+        raise bad_request(field, "must be a string or a list of content blocks")
+    for j, block in enumerate(content):
+        f = f"{field}[{j}]"
+        if not isinstance(block, dict):
+            raise bad_request(f, "must be a content block object")
+        yield f, block.get("type"), block
+
+
+def _unsupported_block(field: str, kind: Any, where: str = ""):
+    """The 400 for a block of a type this place does not take (media: text-only model)."""
+    if kind in _MEDIA_BLOCKS:
+        return bad_request(f"{field}.type", f"{kind} blocks are not supported (text-only model)")
+    return bad_request(f"{field}.type", f"unsupported content block type {kind!r}{where}")
+
+
 def _text_of_blocks(blocks: Any, field: str, *, allow_tool_blocks: bool = False) -> str:
     """Text of a string or a list of text blocks (tool_result content, system)."""
     if isinstance(blocks, str):
         return blocks
     if blocks is None:
         return ""
-    if not isinstance(blocks, list):
-        raise bad_request(field, "must be a string or a list of content blocks")
     texts = []
-    for j, block in enumerate(blocks):
-        f = f"{field}[{j}]"
-        if not isinstance(block, dict):
-            raise bad_request(f, "must be a content block object")
-        kind = block.get("type")
-        if kind == "text":
-            texts.append(_block_text(block, f))
-        elif kind in _MEDIA_BLOCKS:
-            raise bad_request(f"{f}.type", f"{kind} blocks are not supported (text-only model)")
-        else:
-            raise bad_request(f"{f}.type", f"unsupported content block type {kind!r} here")
+    for f, kind, block in _blocks(blocks, field):
+        if kind != "text":
+            raise _unsupported_block(f, kind, " here")
+        texts.append(_block_text(block, f))
     return "\n\n".join(texts)
 
 
@@ -112,7 +122,7 @@ def system_text(system: Any) -> Optional[str]:
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in _MEDIA_BLOCKS:
-                raise bad_request(f"{f}.type", f"{kind} blocks are not supported (text-only model)")
+                raise _unsupported_block(f, kind)
             raise bad_request(f, "must be a text block")
         text = _block_text(block, f)
         if text.startswith(BILLING_HEADER_PREFIX):
@@ -136,8 +146,6 @@ def _user_messages(content: Any, field: str) -> list[dict]:
     """One user turn -> tool messages (tool_result blocks) and user messages (text), in order."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise bad_request(field, "must be a string or a list of content blocks")
     out: list[dict] = []
     texts: list[str] = []
 
@@ -146,11 +154,7 @@ def _user_messages(content: Any, field: str) -> list[dict]:
             out.append({"role": "user", "content": "\n\n".join(texts)})
             texts.clear()
 
-    for j, block in enumerate(content):
-        f = f"{field}[{j}]"
-        if not isinstance(block, dict):
-            raise bad_request(f, "must be a content block object")
-        kind = block.get("type")
+    for f, kind, block in _blocks(content, field):
         if kind == "text":
             texts.append(_block_text(block, f))
         elif kind == "tool_result":
@@ -158,10 +162,8 @@ def _user_messages(content: Any, field: str) -> list[dict]:
             out.append(_tool_result_message(block, f))
         elif kind in ("thinking", "redacted_thinking"):
             continue  # only meaningful on assistant turns
-        elif kind in _MEDIA_BLOCKS:
-            raise bad_request(f"{f}.type", f"{kind} blocks are not supported (text-only model)")
         else:
-            raise bad_request(f"{f}.type", f"unsupported content block type {kind!r}")
+            raise _unsupported_block(f, kind)
     flush()
     return out
 
@@ -169,16 +171,10 @@ def _user_messages(content: Any, field: str) -> list[dict]:
 def _assistant_message(content: Any, field: str) -> dict:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    if not isinstance(content, list):
-        raise bad_request(field, "must be a string or a list of content blocks")
     texts: list[str] = []
     thinking: list[str] = []
     calls: list[dict] = []
-    for j, block in enumerate(content):
-        f = f"{field}[{j}]"
-        if not isinstance(block, dict):
-            raise bad_request(f, "must be a content block object")
-        kind = block.get("type")
+    for f, kind, block in _blocks(content, field):
         if kind == "text":
             texts.append(_block_text(block, f))
         elif kind == "thinking":
@@ -203,10 +199,8 @@ def _assistant_message(content: Any, field: str) -> dict:
                 "type": "function",
                 "function": {"name": name, "arguments": args},
             })
-        elif kind in _MEDIA_BLOCKS:
-            raise bad_request(f"{f}.type", f"{kind} blocks are not supported (text-only model)")
         else:
-            raise bad_request(f"{f}.type", f"unsupported content block type {kind!r}")
+            raise _unsupported_block(f, kind)
     msg: dict = {"role": "assistant", "content": "".join(texts)}
     if thinking:
         msg["reasoning_content"] = "\n\n".join(thinking)
