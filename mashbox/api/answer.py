@@ -14,7 +14,7 @@ Rules:
   (the one retry is only allowed before that). With a `heartbeat_s`, `keepalive()`
   goes out when nothing else did for that long. A failure after the stream started
   becomes the `fail()` events, and the stream ends there.
-- `collect` drives a non-streamed answer; a failed request is the family's 500.
+- A non-streamed answer is driven by `Generation.run(answer.feed)`.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import logging
 import time
 from typing import AsyncIterator, Callable, Optional
 
-from mashbox.api.generation import Generation, GenerationError, Result, finish_failure
+from mashbox.api.generation import Generation, GenerationError, Result
 from mashbox.http import sse
 
 log = logging.getLogger(__name__)
@@ -151,13 +151,3 @@ async def frames(gen: Generation, answer: Answer, usage: Callable[[Result], dict
         for pair in answer.fail(f"The server failed while streaming: {exc}"):
             yield _frame(pair)
 
-
-async def collect(gen: Generation, answer: Answer, family: str) -> Result:
-    """A non-streamed answer: every piece fed, the finished result returned."""
-    try:
-        async for step in gen.steps():
-            for piece in step.pieces:
-                answer.feed(piece)
-    except GenerationError as exc:
-        raise finish_failure(exc, family) from None
-    return gen.result

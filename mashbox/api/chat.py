@@ -30,7 +30,7 @@ import orjson
 
 from mashbox.api import common
 from mashbox.api.common import OPENAI, ApiContext, bad_request
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure, timings_json
+from mashbox.api.generation import EventStream, Generation, GenerationError, Result, timings_json
 from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
 from mashbox.http import sse
 from mashbox.http.response import json_response
@@ -355,6 +355,11 @@ def stream_error(message: str, response_id: str, code: str = "internal_error") -
                                          "code": code, "request_id": response_id}})
 
 
+def failed_stream(exc: GenerationError, response_id: str) -> tuple[bytes, bytes]:
+    """The last frames of a Chat or Completions stream whose request failed on the device."""
+    return stream_error(f"The request failed on the device: {exc}", response_id), sse.DONE
+
+
 # ---------------------------------------------------------------------------------------
 # The handler
 # ---------------------------------------------------------------------------------------
@@ -392,15 +397,13 @@ async def _stream(gen: Generation, writer: ChunkWriter, include_usage: bool, cid
                 yield sse.DONE
                 return
     except GenerationError as exc:
-        yield stream_error(f"The request failed on the device: {exc}", cid)
-        yield sse.DONE
+        for frame in failed_stream(exc, cid):
+            yield frame
 
 
 def routes(api: ApiContext) -> list:
     async def chat_completions(req):
-        common.require_ready(api, OPENAI)
-        body = req.json()
-        common.session_tag(req, body if isinstance(body, dict) else {})
+        body = common.request_body(api, req, OPENAI)
         conv, fields, stream, include_usage = parse_request(api, body)
         prompt = chat_prompt(api, conv, fields.max_tokens)
         cid = common.new_id("chatcmpl-")
@@ -410,10 +413,7 @@ def routes(api: ApiContext) -> list:
         if stream:
             frames = _stream(gen, ChunkWriter(cid, created, api.model_id), include_usage, cid)
             return StreamResponse(EventStream(frames, gen))
-        try:
-            result = await gen.run()
-        except GenerationError as exc:
-            raise finish_failure(exc, OPENAI) from None
+        result = await gen.run()
         return json_response(completion_json(cid, created, api.model_id, result))
 
     return [("POST", "/v1/chat/completions", chat_completions, OPENAI)]

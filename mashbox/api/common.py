@@ -366,6 +366,15 @@ def now() -> int:
     return int(time.time())
 
 
+def request_body(api: ApiContext, req: Any, family: str) -> Any:
+    """A generating route's first steps: the family's not-ready error while the model
+    loads, then the parsed JSON body (not yet checked), with the log line's session tag."""
+    require_ready(api, family)
+    body = req.json()
+    session_tag(req, body if isinstance(body, dict) else {})
+    return body
+
+
 def session_tag(req: Any, body: dict) -> None:
     """Tag the request's log line with prompt_cache_key or X-Session-Id (never a key)."""
     tag = body.get("prompt_cache_key")

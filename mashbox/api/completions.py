@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from mashbox.api import common
-from mashbox.api.chat import stream_error
+from mashbox.api.chat import failed_stream
 from mashbox.api.common import OPENAI, ApiContext, bad_request
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result, finish_failure
+from mashbox.api.generation import EventStream, Generation, GenerationError, Result
 from mashbox.api.prompt import text_prompt
 from mashbox.http import sse
 from mashbox.http.response import json_response
@@ -89,15 +89,13 @@ async def _stream(gen: Generation, cid: str, created: int, model: str, seed: int
                 yield sse.DONE
                 return
     except GenerationError as exc:
-        yield stream_error(f"The request failed on the device: {exc}", cid)
-        yield sse.DONE
+        for frame in failed_stream(exc, cid):
+            yield frame
 
 
 def routes(api: ApiContext) -> list:
     async def completions(req):
-        common.require_ready(api, OPENAI)
-        body = req.json()
-        common.session_tag(req, body if isinstance(body, dict) else {})
+        body = common.request_body(api, req, OPENAI)
         text, fields, stream = parse_request(api, body)
         prompt = text_prompt(api, text, fields.max_tokens)
         cid = common.new_id("cmpl-")
@@ -107,10 +105,7 @@ def routes(api: ApiContext) -> list:
         seed = fields.sampling.seed
         if stream:
             return StreamResponse(EventStream(_stream(gen, cid, created, api.model_id, seed), gen))
-        try:
-            result = await gen.run()
-        except GenerationError as exc:
-            raise finish_failure(exc, OPENAI) from None
+        result = await gen.run()
         return json_response(completion_json(cid, created, api.model_id, result.text, finish_reason(result),
                                              seed, result))
 

@@ -13,7 +13,8 @@ Rules:
 - A worker failure (finish_reason "error") is retried once, from the start, while the
   client has received no model output (routes set `output_sent` when they send some);
   otherwise, or when the retry fails too, `GenerationError` is raised: the route
-  answers 500 before output, or its stream's error event after.
+  answers 500 before output (`run()` raises that 500 itself), or its stream's error
+  event after.
 - Pieces are this module's own `Piece` values (kind text | reasoning | tool_start |
   tool_args | tool_end), whatever the parser's types; tool-call ids are made here with
   the route's prefix (call_ / toolu_ / fc_).
@@ -23,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from mashbox.api.common import (
     ApiContext,
@@ -329,10 +330,16 @@ class Generation:
         if self.prompt.forced_text:
             self._apply(self._parser.feed(self.prompt.forced_text))
 
-    async def run(self) -> Result:
-        """Non-streamed: drive to the end and return the result."""
-        async for _ in self.steps():
-            pass
+    async def run(self, feed: Optional[Callable[[Piece], Any]] = None) -> Result:
+        """Non-streamed: drive to the end (each piece to `feed`, when given) and return the
+        result. A failed request raises the family's 500 HTTPError (`finish_failure`)."""
+        try:
+            async for step in self.steps():
+                if feed is not None:
+                    for piece in step.pieces:
+                        feed(piece)
+        except GenerationError as exc:
+            raise finish_failure(exc, self.family) from None
         return self.result
 
     # -- events -> pieces ------------------------------------------------------------------

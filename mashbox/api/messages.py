@@ -571,9 +571,7 @@ def result_usage(result: Result) -> dict:
 
 def routes(api: ApiContext) -> list:
     async def create_message(req):
-        common.require_ready(api, ANTHROPIC)
-        body = req.json()
-        common.session_tag(req, body if isinstance(body, dict) else {})
+        body = common.request_body(api, req, ANTHROPIC)
         conv, fields, stream, model = parse_request(api, body)
         prompt = chat_prompt(api, conv, fields.max_tokens)
         mid = new_message_id()
@@ -583,7 +581,7 @@ def routes(api: ApiContext) -> list:
         ms = MessageStream(mid, model, len(prompt.ids))
         if stream:
             return StreamResponse(EventStream(answer.frames(gen, ms, result_usage), gen))
-        r = await answer.collect(gen, ms, ANTHROPIC)
+        r = await gen.run(ms.feed)
         return json_response(ms.message(r.finish_reason, r.stop_sequence, result_usage(r)))
 
     async def count_tokens(req):

@@ -670,9 +670,7 @@ def result_usage(api: ApiContext, result: Result) -> dict:
 
 def routes(api: ApiContext) -> list:
     async def create_response(req):
-        common.require_ready(api, OPENAI)
-        body = req.json()
-        common.session_tag(req, body if isinstance(body, dict) else {})
+        body = common.request_body(api, req, OPENAI)
         conv, refs, fields, stream, echo = parse_request(api, body)
         prompt = chat_prompt(api, conv, fields.max_tokens)
         rid = common.new_id("resp_")
@@ -682,7 +680,7 @@ def routes(api: ApiContext) -> list:
         usage = functools.partial(result_usage, api)
         if stream:
             return StreamResponse(EventStream(answer.frames(gen, rs, usage), gen))
-        r = await answer.collect(gen, rs, OPENAI)
+        r = await gen.run(rs.feed)
         return json_response(rs.final(r.finish_reason, usage(r)))
 
     return [("POST", "/v1/responses", create_response, OPENAI)]
