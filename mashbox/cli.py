@@ -7,7 +7,6 @@ a bad flag value), 1 for a server that failed after it started.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
@@ -20,15 +19,6 @@ from mashbox.modelfile import ModelFileError, inspect
 log = logging.getLogger("mashbox")
 
 EXIT_USAGE = 2
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +103,7 @@ def _cmd_pull(model_id: str) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from mashbox.http.security import load_api_keys
+    from mashbox.http.security import is_loopback, load_api_keys
 
     if args.slots < 1:
         return _fail("--slots must be >= 1")
@@ -127,7 +117,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         keys = load_api_keys(args.api_key_file, os.environ)
     except (OSError, ValueError) as e:
         return _fail(f"--api-key-file: {e}")
-    if not keys and not _is_loopback(args.host):
+    if not keys and not is_loopback(args.host):
         return _fail(
             f"--host {args.host} is not a loopback address: refusing to serve without an API key "
             "(give --api-key-file or set MASHBOX_API_KEY)"
