@@ -8,13 +8,16 @@ server (conftest.py).
 `ScriptedEngine.script(req) -> list[StepEvent | Exception]` decides what a submitted
 request yields; an Exception item is raised from submit() instead (QueueFull,
 NotReady). `InProcessServer` runs the real app (router, guard, routes) on a real
-socket in a thread with its own event loop.
+socket in a thread with its own event loop; `server_fixtures` makes a wire test
+module's `script`, `engine` and `app` fixtures around them.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 from typing import Callable, Optional
+
+import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent, Timings
 
@@ -157,3 +160,26 @@ class InProcessServer:
         except BaseException as e:  # surfaced to the test thread
             self._error = e
             self._started.set()
+
+
+def server_fixtures(make_script: Callable[[], Callable], ctx: int, template_source: Optional[str] = None):
+    """Module-scoped fixtures for a wire test module, by these names:
+    `script, engine, app = server_fixtures(Script, ctx=256)`. `script` is make_script()
+    (what each request answers), `engine` a ScriptedEngine playing it, `app` the real
+    app serving that engine (default model's tokenizer; template_source, if given,
+    replaces its chat template)."""
+
+    @pytest.fixture(scope="module")
+    def script():
+        return make_script()
+
+    @pytest.fixture(scope="module")
+    def engine(script):
+        return ScriptedEngine(script, ctx=ctx)
+
+    @pytest.fixture(scope="module")
+    def app(engine, default_model_path):
+        with InProcessServer(engine, default_model_path, template_source=template_source) as s:
+            yield s
+
+    return script, engine, app

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from api_scripted_engine import InProcessServer, NotReady, QueueFull, ScriptedEngine, text_events
+from api_scripted_engine import NotReady, QueueFull, server_fixtures, text_events
 
 THINK_TEMPLATE = (
     "{% for message in messages %}"
@@ -41,20 +41,7 @@ class Script:
         return text_events(req, self.pieces, self.finish, self.stop_sequence, self.error)
 
 
-@pytest.fixture(scope="module")
-def script():
-    return Script()
-
-
-@pytest.fixture(scope="module")
-def engine(script):
-    return ScriptedEngine(script, ctx=256)
-
-
-@pytest.fixture(scope="module")
-def app(engine, default_model_path):
-    with InProcessServer(engine, default_model_path, template_source=THINK_TEMPLATE) as s:
-        yield s
+script, engine, app = server_fixtures(Script, ctx=256, template_source=THINK_TEMPLATE)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from api_scripted_engine import InProcessServer, ScriptedEngine, text_events
+from api_scripted_engine import server_fixtures, text_events
 
 
 class Script:
@@ -18,20 +18,7 @@ class Script:
         return text_events(req, self.pieces, self.finish, self.stop_sequence, self.error)
 
 
-@pytest.fixture(scope="module")
-def script():
-    return Script()
-
-
-@pytest.fixture(scope="module")
-def engine(script):
-    return ScriptedEngine(script, ctx=128)
-
-
-@pytest.fixture(scope="module")
-def app(engine, default_model_path):
-    with InProcessServer(engine, default_model_path) as s:
-        yield s
+script, engine, app = server_fixtures(Script, ctx=128)
 
 
 @pytest.fixture(autouse=True)
