@@ -5,9 +5,9 @@ sequences for a known output (reasoning, tool calls split at odd places), a work
 failure mid-stream, a full queue, a model still loading. Everything else runs the real
 server (conftest.py).
 
-`ScriptedEngine.script(req) -> list[StepEvent | Exception]` decides what a submitted
-request yields; an Exception item is raised from submit() instead (QueueFull,
-NotReady). `InProcessServer` runs the real app (router, guard, routes) on a real
+`ScriptedEngine.script(req) -> list[StepEvent | float | Exception]` decides what a
+submitted request yields (a number: that many seconds without an event); an Exception
+item first is raised from submit() instead (QueueFull, NotReady). `InProcessServer` runs the real app (router, guard, routes) on a real
 socket in a thread with its own event loop; `server_fixtures` makes a wire test
 module's `script`, `engine` and `app` fixtures around them.
 """
@@ -59,6 +59,8 @@ class ScriptedHandle:
     async def __anext__(self) -> StepEvent:
         if self.cancelled:
             raise StopAsyncIteration
+        while self.events and isinstance(self.events[0], (int, float)):
+            await asyncio.sleep(self.events.pop(0))  # a number: seconds without an event (a long prefill)
         if not self.events:
             # A script without a finish event: wait (e.g. a slow prefill) until cancelled.
             await asyncio.sleep(3600)

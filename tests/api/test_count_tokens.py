@@ -13,7 +13,7 @@ from mashbox.api.prompt import chat_prompt
 from mashbox.http.request import Request
 from mashbox.http.response import HTTPError
 
-from test_messages_wire import ScriptedEngine, make_api, text_layer  # noqa: F401  (fixture)
+from test_messages_wire import make_api, replay_engine, text_layer  # noqa: F401  (fixture)
 
 TOOLS = [{"name": "get_weather", "description": "Weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -36,7 +36,7 @@ def count(api, body) -> int:
     {"tools": TOOLS, "tool_choice": {"type": "none"}},
 ])
 def test_count_equals_the_prompt_the_same_request_runs(text_layer, extra):
-    api = make_api(text_layer, ScriptedEngine([]))
+    api = make_api(text_layer, replay_engine([]))
     body = {"model": "claude-x", "messages": [{"role": "user", "content": "Weather in Paris?"}], **extra}
     n = count(api, body)
     ids = chat_prompt(api, messages.to_conversation(body), None).ids
@@ -44,7 +44,7 @@ def test_count_equals_the_prompt_the_same_request_runs(text_layer, extra):
 
 
 def test_tools_and_forcing_count(text_layer):
-    api = make_api(text_layer, ScriptedEngine([]))
+    api = make_api(text_layer, replay_engine([]))
     base = {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
     plain = count(api, base)
     with_tools = count(api, {**base, "tools": TOOLS})
@@ -54,11 +54,11 @@ def test_tools_and_forcing_count(text_layer):
 
 
 def test_count_refusals_and_loading(text_layer):
-    api = make_api(text_layer, ScriptedEngine([]))
+    api = make_api(text_layer, replay_engine([]))
     with pytest.raises(HTTPError) as info:
         count(api, {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]})
     assert info.value.status == 400 and info.value.param == "messages[0].content[0].type"
-    api = make_api(text_layer, ScriptedEngine([], state="loading"))
+    api = make_api(text_layer, replay_engine([], state="loading"))
     with pytest.raises(HTTPError) as info:
         count(api, {"messages": [{"role": "user", "content": "x"}]})
     assert info.value.status == 529

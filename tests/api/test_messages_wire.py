@@ -2,8 +2,8 @@
 on demand: a worker failure mid-stream, a prefill long enough to need pings, a stop
 sequence at a known place, a full queue, a loading model.
 
-The engine is a scripted double (`ScriptedEngine`: the EngineClient surface, replaying
-StepEvents); tokenizer and chat template are the real default model's. Handlers are
+The engine is the scripted double of api_scripted_engine.py (the EngineClient surface,
+replaying StepEvents; `replay_engine` here gives it one script for every request); tokenizer and chat template are the real default model's. Handlers are
 called directly and their StreamResponse iterated, so the bytes checked are exactly
 what the protocol would write. The real server and SDKs are in test_messages_e2e.py.
 """
@@ -21,48 +21,23 @@ from mashbox.engine.client import NotReady, QueueFull
 from mashbox.http.request import Request
 from mashbox.http.response import HTTPError
 
-
-class ScriptedHandle:
-    def __init__(self, request_id: str, script: list):
-        self.id = request_id
-        self.script = script
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self._events()
-
-    async def _events(self):
-        for item in self.script:
-            if isinstance(item, (int, float)):
-                await asyncio.sleep(item)  # seconds without an event (a long prefill)
-                continue
-            yield StepEvent(id=self.id, **item)
-            if item.get("finish_reason"):
-                return
-
-    def cancel(self):
-        self.cancelled = True
+from api_scripted_engine import ScriptedEngine
 
 
-class ScriptedEngine:
-    """What engine.client.EngineClient offers a route, replaying one script per request.
-    `refuse` makes submit raise (NotReady() or QueueFull(scope))."""
+def replay_engine(script: list, ctx: int = 2048, state: str = "ok", refuse: Exception = None) -> ScriptedEngine:
+    """The shared ScriptedEngine answering every request with `script`: a dict is one
+    StepEvent's fields, a number that many seconds without an event (a long prefill).
+    `refuse` makes submit raise it (NotReady() or QueueFull(scope)); state "loading" is a
+    model still loading."""
 
-    def __init__(self, script: list, ctx: int = 2048, state: str = "ok", refuse: Exception = None):
-        self.script = script
-        self.state = state
-        self.refuse = refuse
-        self.info = {"model_id": "smollm2-scripted", "ctx": ctx}
-        self.requests = []
-        self.handles = []
+    def answer(request):
+        if refuse is not None:
+            return [refuse]
+        return [StepEvent(id=request.id, **item) if isinstance(item, dict) else item for item in script]
 
-    def submit(self, request):
-        if self.refuse is not None:
-            raise self.refuse
-        self.requests.append(request)
-        handle = ScriptedHandle(request.id, self.script)
-        self.handles.append(handle)
-        return handle
+    engine = ScriptedEngine(answer, ctx=ctx)
+    engine.state = state
+    return engine
 
 
 def finish(reason: str, text: str = "", stop_sequence=None, n: int = 3, prompt: int = 0, cached: int = 0) -> dict:
@@ -78,7 +53,7 @@ def text_layer(default_model_path):
 def make_api(text_layer, engine) -> common.ApiContext:
     tokenizer, template = text_layer
     return common.ApiContext(server_config=ServerConfig(), engine_config=EngineConfig(
-        model_path="unused", model_id="smollm2-scripted", ctx=engine.info["ctx"]),
+        model_path="unused", model_id="scripted", ctx=engine.info["ctx"]),
         engine=engine, tokenizer=tokenizer, template=template)
 
 
@@ -95,7 +70,8 @@ def post(api, body: dict, path: str = "/v1/messages"):
     return asyncio.run(handler(api, path)(req))
 
 
-async def _collect(stream) -> bytes:
+async def stream_bytes(stream) -> bytes:
+    """Every frame of a StreamResponse, then its close (as the protocol does)."""
     out = []
     try:
         async for chunk in stream.events:
@@ -131,23 +107,23 @@ def run_stream(api, body) -> list[tuple[str, dict]]:
     async def go():
         resp = await handler(api, "/v1/messages")(
             Request("POST", "/v1/messages", "beta=true", {}, orjson.dumps(body)))
-        return await _collect(resp)
+        return await stream_bytes(resp)
 
     return sse_frames(asyncio.run(go()))
 
 
 def test_stream_exact_sequence_with_stop_sequence(text_layer):
-    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Hello"},
+    engine = replay_engine([{"started": True}, {"token_ids": (5,), "text": "Hello"},
                              finish("stop_sequence", " there", "END", n=2)])
     api = make_api(text_layer, engine)
     frames = run_stream(api, stream_body(stop_sequences=["END"]))
     assert [n for n, _ in frames] == ["message_start", "ping", "content_block_start", "content_block_delta",
                                       "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     start = frames[0][1]["message"]
-    n_prompt = len(engine.requests[0].prompt_ids)
+    n_prompt = len(engine.submitted[0].prompt_ids)
     assert start["model"] == "claude-sonnet-4-5" and start["id"].startswith("msg_")
     assert start["usage"]["input_tokens"] == n_prompt and start["stop_reason"] is None
-    assert engine.requests[0].stops == ("END",)
+    assert engine.submitted[0].stops == ("END",)
     assert [f[1]["delta"]["text"] for f in frames[3:5]] == ["Hello", " there"]
     assert frames[6][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
     assert frames[6][1]["usage"]["output_tokens"] == 2
@@ -155,7 +131,7 @@ def test_stream_exact_sequence_with_stop_sequence(text_layer):
 
 def test_message_start_goes_out_before_the_engine_answers_and_pings_keep_it_alive(text_layer, monkeypatch):
     monkeypatch.setattr(messages, "PING_S", 0.1)
-    engine = ScriptedEngine([0.55, {"started": True}, finish("stop", "Hi", n=1)])
+    engine = replay_engine([0.55, {"started": True}, finish("stop", "Hi", n=1)])
     api = make_api(text_layer, engine)
 
     async def go():
@@ -177,7 +153,7 @@ def test_message_start_goes_out_before_the_engine_answers_and_pings_keep_it_aliv
 
 
 def test_mid_stream_error_is_an_error_event(text_layer):
-    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Hel"},
+    engine = replay_engine([{"started": True}, {"token_ids": (5,), "text": "Hel"},
                              {"finish_reason": "error", "error": "CUDA error: device lost"}])
     api = make_api(text_layer, engine)
     frames = run_stream(api, stream_body())
@@ -188,7 +164,7 @@ def test_mid_stream_error_is_an_error_event(text_layer):
 
 
 def test_non_streamed_worker_failure_is_a_500(text_layer):
-    engine = ScriptedEngine([{"finish_reason": "error", "error": "boom"}])
+    engine = replay_engine([{"finish_reason": "error", "error": "boom"}])
     api = make_api(text_layer, engine)
     with pytest.raises(HTTPError) as info:
         post(api, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
@@ -199,7 +175,7 @@ def test_non_streamed_worker_failure_is_a_500(text_layer):
     (NotReady(), "ok", 529), (QueueFull("total"), "ok", 529), (QueueFull("tenant"), "ok", 429), (None, "loading", 529),
 ])
 def test_overloaded_and_loading(text_layer, refuse, state, status):
-    engine = ScriptedEngine([], state=state, refuse=refuse)
+    engine = replay_engine([], state=state, refuse=refuse)
     api = make_api(text_layer, engine)
     with pytest.raises(HTTPError) as info:
         post(api, {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
@@ -213,20 +189,20 @@ def test_overloaded_and_loading(text_layer, refuse, state, status):
 
 
 def test_non_streamed_message_and_clamped_max_tokens(text_layer):
-    engine = ScriptedEngine([{"started": True, "cached_tokens": 4},
+    engine = replay_engine([{"started": True, "cached_tokens": 4},
                              finish("length", "abc", n=7, prompt=30, cached=4)], ctx=256)
     api = make_api(text_layer, engine)
     resp = post(api, {"model": "claude-opus-4", "max_tokens": 64000, "messages": [{"role": "user", "content": "x"}]})
     msg = orjson.loads(resp.body)
-    n_prompt = len(engine.requests[0].prompt_ids)
-    assert engine.requests[0].max_tokens == 256 - n_prompt  # clamped to the context, not refused
+    n_prompt = len(engine.submitted[0].prompt_ids)
+    assert engine.submitted[0].max_tokens == 256 - n_prompt  # clamped to the context, not refused
     assert msg["stop_reason"] == "max_tokens" and msg["content"] == [{"type": "text", "text": "abc"}]
     assert msg["usage"] == {"input_tokens": n_prompt - 4, "cache_creation_input_tokens": 0,
                             "cache_read_input_tokens": 4, "output_tokens": 7}
 
 
 def test_client_going_away_cancels_the_engine_request(text_layer):
-    engine = ScriptedEngine([{"started": True}, 30.0, finish("stop", "late")])
+    engine = replay_engine([{"started": True}, 30.0, finish("stop", "late")])
     api = make_api(text_layer, engine)
 
     async def go():
@@ -236,7 +212,7 @@ def test_client_going_away_cancels_the_engine_request(text_layer):
         await resp.events.aclose()  # what the protocol does on a disconnect
 
     asyncio.run(asyncio.wait_for(go(), 5))
-    assert engine.handles[0].cancelled
+    assert engine.cancelled == [engine.submitted[0].id]
 
 
 # A ChatML template that knows thinking (a `<think>` marker): the route then parses
@@ -261,7 +237,7 @@ def thinking_layer(text_layer):
 def test_thinking_text_and_tool_call_through_the_real_parser(thinking_layer):
     out = ["<thi", "nk>Paris is ", "in France.</think>", "Let me check.\n", "<tool_call>\n{\"name\": \"get_",
            "weather\", \"arguments\": {\"city\": ", "\"Paris\"}}\n</tool_call>"]
-    engine = ScriptedEngine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
+    engine = replay_engine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
                             + [finish("stop", "", n=len(out))])
     api = make_api(thinking_layer, engine)
     tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
@@ -288,4 +264,4 @@ def test_thinking_text_and_tool_call_through_the_real_parser(thinking_layer):
     args = [d for n, d in frames if (d.get("delta") or {}).get("type") == "input_json_delta"]
     assert [orjson.loads(a["delta"]["partial_json"]) for a in args] == [{"city": "Paris"}]
     assert frames[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert engine.requests[0].prompt_ids  # the prompt rendered with thinking on
+    assert engine.submitted[0].prompt_ids  # the prompt rendered with thinking on

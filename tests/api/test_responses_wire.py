@@ -1,6 +1,6 @@
 """Exact wire bytes of /v1/responses for cases the real model cannot be made to produce on
 demand (a worker failure mid-stream, max_output_tokens at a known place), with the
-scripted engine of test_messages_wire.py. The real server and SDK: test_responses_e2e.py."""
+scripted engine of api_scripted_engine.py. The real server and SDK: test_responses_e2e.py."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,7 @@ from mashbox.api import responses
 from mashbox.http.request import Request
 from mashbox.http.response import HTTPError
 
-from test_messages_wire import ScriptedEngine, finish, make_api, sse_frames, text_layer  # noqa: F401
+from test_messages_wire import finish, make_api, replay_engine, sse_frames, stream_bytes, text_layer  # noqa: F401
 
 
 def handler(api):
@@ -26,19 +26,13 @@ def run(api, body):
         resp = await handler(api)(Request("POST", "/v1/responses", "", {}, orjson.dumps(body)))
         if not body.get("stream"):
             return orjson.loads(resp.body)
-        out = []
-        try:
-            async for chunk in resp.events:
-                out.append(chunk)
-        finally:
-            await resp.events.aclose()
-        return sse_frames(b"".join(out))
+        return sse_frames(await stream_bytes(resp))
 
     return asyncio.run(go())
 
 
 def test_stream_exact_sequence_incomplete(text_layer):
-    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Mercury,"},
+    engine = replay_engine([{"started": True}, {"token_ids": (5,), "text": "Mercury,"},
                              finish("length", " Venus", n=2)])
     api = make_api(text_layer, engine)
     frames = run(api, {"input": "Name planets.", "max_output_tokens": 2, "stream": True})
@@ -47,16 +41,16 @@ def test_stream_exact_sequence_incomplete(text_layer):
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.incomplete"]
     assert [d["sequence_number"] for _, d in frames] == list(range(1, 11))
-    assert engine.requests[0].max_tokens == 2
+    assert engine.submitted[0].max_tokens == 2
     final = frames[-1][1]["response"]
     assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["output"][0]["content"][0]["text"] == "Mercury, Venus"
     assert frames[6][1]["text"] == "Mercury, Venus"
-    assert final["usage"]["output_tokens"] == 2 and final["usage"]["input_tokens"] == len(engine.requests[0].prompt_ids)
+    assert final["usage"]["output_tokens"] == 2 and final["usage"]["input_tokens"] == len(engine.submitted[0].prompt_ids)
 
 
 def test_mid_stream_error_then_failed(text_layer):
-    engine = ScriptedEngine([{"started": True}, {"token_ids": (5,), "text": "Mer"},
+    engine = replay_engine([{"started": True}, {"token_ids": (5,), "text": "Mer"},
                              {"finish_reason": "error", "error": "device lost"}])
     api = make_api(text_layer, engine)
     frames = run(api, {"input": "x", "stream": True})
@@ -70,7 +64,7 @@ def test_mid_stream_error_then_failed(text_layer):
 
 
 def test_non_streamed_and_echo(text_layer):
-    engine = ScriptedEngine([{"started": True, "cached_tokens": 3}, finish("stop", "Hi.", n=2, prompt=20, cached=3)])
+    engine = replay_engine([{"started": True, "cached_tokens": 3}, finish("stop", "Hi.", n=2, prompt=20, cached=3)])
     api = make_api(text_layer, engine)
     tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
     out = run(api, {"input": "x", "parallel_tool_calls": True, "tools": tools, "tool_choice": "none",
@@ -82,14 +76,14 @@ def test_non_streamed_and_echo(text_layer):
 
 
 def test_model_mismatch_and_worker_failure(text_layer):
-    api = make_api(text_layer, ScriptedEngine([{"finish_reason": "error", "error": "boom"}]))
+    api = make_api(text_layer, replay_engine([{"finish_reason": "error", "error": "boom"}]))
     with pytest.raises(HTTPError) as info:
         run(api, {"input": "x", "model": "gpt-5"})
     assert info.value.status == 404 and info.value.code == "model_not_found"
     with pytest.raises(HTTPError) as info:
-        run(api, {"input": "x", "model": "smollm2-scripted"})
+        run(api, {"input": "x", "model": "scripted"})
     assert info.value.status == 500
-    api = make_api(text_layer, ScriptedEngine([], state="loading"))
+    api = make_api(text_layer, replay_engine([], state="loading"))
     with pytest.raises(HTTPError) as info:
         run(api, {"input": "x"})
     assert info.value.status == 503
@@ -102,7 +96,7 @@ def test_reasoning_text_and_calls_through_the_real_parser(thinking_layer):
     out = ["<think>Check ", "the files.</think>", "On it.\n", "<tool_call>\n{\"name\": \"shell\", \"arguments\": ",
            "{\"command\": [\"ls\"]}}\n</tool_call>\n<tool_call>\n{\"name\": \"apply_patch\", \"arguments\": ",
            "{\"input\": \"*** Begin Patch\"}}\n</tool_call>"]
-    engine = ScriptedEngine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
+    engine = replay_engine([{"started": True}] + [{"token_ids": (9,), "text": t} for t in out]
                             + [finish("stop", "", n=12)])
     api = make_api(thinking_layer, engine)
     tools = [{"type": "function", "name": "shell", "parameters": {"type": "object"}},
