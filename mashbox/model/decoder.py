@@ -13,19 +13,21 @@ Rules:
   places the parts side by side (fused_layout.py), so fusing is a view; parts from
   elsewhere are concatenated. The Decoder takes ownership of the `tensors` dict and
   empties it, so unfused parts are freed as the fused ones are built.
-- GQA never materialises repeated K/V: a decode row's q is viewed as
-  [kv_heads, group, head_dim] against the slot's [kv_heads, L, head_dim] keys; prefill
+- GQA never materialises repeated K/V: a row's q is viewed as [kv_heads, group * n,
+  head_dim] against the slot's [kv_heads, L, head_dim] keys (batch_invariant), or prefill
   uses SDPA's enable_gqa.
-- Batch invariance: with batch_invariant (the default on CPU) every row attends alone
-  over exactly its own keys, so a row's result does not depend on what else is in the
-  batch. Measured on this project's CPU: bfloat16 decode logits are then bit-identical
-  alone and beside other rows (torch's bf16 linear does not change its reduction with
-  the row count); float32 still differs by ~4e-5, because a 1-row float32 linear takes
-  a gemv kernel and more rows a gemm one. Without batch_invariant (the default on CUDA,
-  where kernel launches dominate) decode rows whose slots cover a compact range attend in
-  one SDPA call over a view of that range, padded keys masked: one call per layer
-  instead of one per row, but the padding changes the kernel's blocking and so the
-  row's rounding.
+- Batch invariance: with batch_invariant (the default on CPU) a token's logits do not
+  depend on how its request was scheduled: whole or chunked prefill, its last prompt
+  token recomputed alone after a prefix-cache hit, alone or beside other rows, in
+  bfloat16 and float32 (bit-identical; measured on this project's CPU, see _MIN_ROWS).
+  Three rules make it so: every row, prefill chunk or decode, attends through one masked
+  SDPA call over its slot's keys [0, end rounded up to _KEY_BLOCK) (masked keys add exact
+  zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
+  small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise).
+  Cost measured at batch 1/4/8 decode: +3% / +7% / +14% per step, prefill unchanged.
+  Without batch_invariant (the default on CUDA, where kernel launches dominate) decode
+  rows whose slots cover a compact range attend in one SDPA call over a view of that
+  range, padded keys masked, and prefill chunks use plain causal attention.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
-from mashbox.model.kv_cache import KVCache
+from mashbox.model.kv_cache import KEY_BLOCK, KVCache
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 
@@ -128,6 +130,7 @@ class Decoder:
             ))
         take.finish()
         self._rope: Optional[RopeTable] = None
+        self._min_rows = _MIN_ROWS.get(dtype, 1)
 
     def _rope_table(self, length: int) -> RopeTable:
         if self._rope is None or self._rope.length < length:
@@ -139,45 +142,90 @@ class Decoder:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         c = self.config
         T = batch.input_ids.shape[0]
-        plan = _Plan(batch, cache, c, self.dtype, self.device, batch_decodes=not self.batch_invariant)
+        plan = _Plan(batch, cache, c, self.dtype, self.device, invariant=self.batch_invariant)
+        ids, positions = batch.input_ids, batch.positions
+        # Batch invariance: float32 linears round differently below _min_rows rows (see
+        # the module docstring), so a short step runs on padding rows too; their
+        # K/V are never written and their outputs never read.
+        Tp = max(T, self._min_rows) if self.batch_invariant else T
+        if Tp > T:
+            ids = F.pad(ids, (0, Tp - T))
+            positions = F.pad(positions, (0, Tp - T))
         rope = self._rope_table(cache.ctx)
-        cos = rope.cos[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
-        sin = rope.sin[batch.positions].unsqueeze(1)  # [T, 1, head_dim]
+        cos = rope.cos[positions].unsqueeze(1)  # [Tp, 1, head_dim]
+        sin = rope.sin[positions].unsqueeze(1)  # [Tp, 1, head_dim]
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        x = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
-        attn = torch.empty(T, c.q_size, dtype=self.dtype, device=self.device)  # [T, heads * head_dim]
+        x = F.embedding(ids, self.embed)  # [Tp, hidden]
+        attn = torch.zeros(Tp, c.q_size, dtype=self.dtype, device=self.device)  # [Tp, heads * head_dim]
         for li, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [T, (heads + 2 kv_heads) * head_dim]
-            qk = qkv[:, : c.q_size + c.kv_size].view(T, H + KV, D)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)  # [Tp, (heads + 2 kv_heads) * head_dim]
+            qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
-            qk = rope.apply(qk, cos, sin)  # [T, heads + kv_heads, head_dim]
-            q = qk[:, :H]  # [T, heads, head_dim]
-            k = qk[:, H:]  # [T, kv_heads, head_dim]
-            v = qkv[:, c.q_size + c.kv_size:].view(T, KV, D)
-            k_cache = cache.k[li]  # [slots, kv_heads, ctx, head_dim]
+            qk = rope.apply(qk, cos, sin)  # [Tp, heads + kv_heads, head_dim]
+            q = qk[:T, :H]  # [T, heads, head_dim]
+            k = qk[:T, H:]  # [T, kv_heads, head_dim]
+            v = qkv[:T, c.q_size + c.kv_size:].view(T, KV, D)
+            k_cache = cache.k[li]  # [slots, kv_heads, capacity, head_dim]
             v_cache = cache.v[li]
             k_cache[plan.token_slots, :, batch.positions] = k
             v_cache[plan.token_slots, :, batch.positions] = v
             plan.attend(q, k_cache, v_cache, attn)
             x = x + F.linear(attn, layer.o, layer.o_bias)
             h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)  # [Tp, intermediate] each
             x = x + F.linear(F.silu(gate) * up, layer.down)
         last = x[plan.last_tokens]  # [rows, hidden]
+        rows = last.shape[0]
+        if self.batch_invariant and rows < self._min_rows:
+            last = F.pad(last, (0, 0, 0, self._min_rows - rows))
         last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
-        return F.linear(last, self.lm_head).float()  # [rows, vocab]
+        return F.linear(last, self.lm_head)[:rows].float()  # [rows, vocab]
 
     __call__ = forward
 
 
+# Batch invariance (see the module docstring), measured on this project's CPU
+# (AMD EPYC with avx512_bf16, torch 2.13, MKL / oneDNN), 1 and 2 threads:
+# - float32 linears give the same bits per row for 8 or more rows, other bits for 1-3
+#   rows (MKL's small-M kernels) and, with 2 threads, for 5-7 rows; bfloat16 linears
+#   give other bits for 1 row than for 2 or more (the MLP down projection).
+# - SDPA's flash kernel on CPU reduces over keys in blocks of 512 with one running vector
+#   sum and sequential gemm accumulation, so keys masked past a query's own (probability
+#   exactly 0) leave its bits alone, provided the key count is a whole number of vectors:
+#   keys are read in blocks of _KEY_BLOCK.
+# - Inside that kernel the q.k and p.v gemms give other bits for query blocks of fewer
+#   than 4 rows (both dtypes; float32 is held to 8 like its linears). Query blocks are
+#   32, 64, 128 or 256 rows, so _padded_queries keeps every block at the multiple.
+_MIN_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+_QUERY_MULTIPLE = {torch.float32: 8, torch.bfloat16: 4}
+_KEY_BLOCK = KEY_BLOCK  # kv_cache rounds its capacity up to it
+
+
+def _padded_queries(n: int, group: int, multiple: int) -> int:
+    """Queries of a row after padding, so that SDPA's query blocks (32, 64, 128 or 256 rows
+    of group * queries) all hold at least `multiple` rows: group * padded is at least
+    `multiple`, and past one block of 32 a multiple of it."""
+    padded = max(n, -(-multiple // group))
+    if group * padded > 32:
+        while (group * padded) % multiple:
+            padded += 1
+    return padded
+
+
 class _Plan:
-    """One forward's attention plan: index tensors and masks shared by every layer."""
+    """One forward's attention plan: index tensors and masks shared by every layer.
+
+    invariant: every row (prefill chunk or decode) takes one code path: masked SDPA over
+    the slot's keys [0, end rounded up to _KEY_BLOCK), its queries padded to the dtype's
+    multiple, so a query's result depends only on its own keys and position. Otherwise
+    plain causal prefills, and decode rows over compact slot ranges batched in one call.
+    """
 
     def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, batch_decodes: bool):
+                 device: torch.device, invariant: bool):
         self.dtype = dtype
         rows = len(batch.row_slots)
         if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
@@ -193,7 +241,10 @@ class _Plan:
         self.window = window
         # (t0, n, slot, first key, end key, additive mask [n, end - first] or None for plain causal)
         self.prefills: list[tuple[int, int, int, int, int, Optional[torch.Tensor]]] = []
+        # invariant mode: (t0, n, padded n, slot, keys, additive mask [1, 1, padded n, keys])
+        self.rows: list[tuple[int, int, int, int, int, torch.Tensor]] = []
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
+        qmult = _QUERY_MULTIPLE.get(dtype, 1)
         t0 = 0
         for slot, start, n in zip(batch.row_slots, batch.row_starts, batch.row_lens):
             if n < 1 or start < 0 or start + n > cache.ctx or not 0 <= slot < cache.slots:
@@ -202,7 +253,18 @@ class _Plan:
             token_slots.extend([slot] * n)
             last.append(t0 + n - 1)
             end = start + n
-            if n == 1:
+            if invariant:
+                keys = -(-end // _KEY_BLOCK) * _KEY_BLOCK
+                padded = _padded_queries(n, self.group, qmult)
+                # padding queries repeat the last one's position (their output is dropped)
+                qpos = torch.arange(start, start + padded, device=device).clamp_(max=end - 1).unsqueeze(1)
+                kpos = torch.arange(0, keys, device=device).unsqueeze(0)  # [1, keys]
+                allowed = kpos <= qpos  # [padded, keys]
+                if window is not None:
+                    allowed &= kpos > qpos - window
+                mask = self._additive(allowed).expand(self.group, padded, keys)  # query row (g, i): position i
+                self.rows.append((t0, n, padded, slot, keys, mask.reshape(1, 1, self.group * padded, keys)))
+            elif n == 1:
                 decodes.append((t0, slot, end))
             else:
                 lo = 0 if window is None else max(0, start + 1 - window)
@@ -223,7 +285,7 @@ class _Plan:
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self.decodes = decodes
         self.batched = None
-        if batch_decodes:
+        if not invariant:
             self._plan_decodes(decodes, window, device)
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -275,6 +337,15 @@ class _Plan:
         KV, G, D = self.kv_heads, self.group, self.head_dim
         # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
         # math kernel.
+        for t0, n, padded, slot, keys, mask in self.rows:
+            # the group's query heads share their K/V head: [1, kv_heads, group * padded, head_dim]
+            qr = q[t0:t0 + n].view(n, KV, G, D).permute(1, 2, 0, 3)  # [kv_heads, group, n, head_dim]
+            if padded > n:
+                qr = F.pad(qr, (0, 0, 0, padded - n))
+            o = F.scaled_dot_product_attention(
+                qr.reshape(1, KV, G * padded, D), k_cache[slot:slot + 1, :, :keys],
+                v_cache[slot:slot + 1, :, :keys], attn_mask=mask)  # [1, kv_heads, group * padded, head_dim]
+            out[t0:t0 + n] = o.view(KV, G, padded, D)[:, :, :n].permute(2, 0, 1, 3).reshape(n, -1)
         for t0, n, slot, lo, end_len, mask in self.prefills:
             qr = q[t0:t0 + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
             kr = k_cache[slot:slot + 1, :, lo:end_len]  # [1, kv_heads, L, head_dim]

@@ -158,9 +158,9 @@ def test_kv_is_written_only_at_the_rows_slots_and_positions(tiny_dir):
     weights, decoder = _load(make_tiny(tiny_dir, "llama"))
     cache = KVCache(weights.config, slots=3, ctx=16, dtype=torch.float32, device=CPU)
     decoder.forward(Batch.build([(2, 0, [5, 6, 7]), (0, 4, [9])]), cache)
-    # [layers, slots, kv_heads, ctx, head_dim] -> written[slot, position]
+    # [layers, slots, kv_heads, capacity, head_dim] -> written[slot, position]
     written = cache.k.abs().sum(dim=(0, 2, 4)) > 0
-    want = torch.zeros(3, 16, dtype=torch.bool)
+    want = torch.zeros(3, cache.capacity, dtype=torch.bool)
     want[2, 0:3] = True
     want[0, 4] = True
     assert torch.equal(written, want)
@@ -174,8 +174,11 @@ def test_kv_cache_shape_and_size():
 
     cfg = ModelConfig.from_hf(make_config("qwen3").to_dict())
     cache = KVCache(cfg, slots=3, ctx=20, dtype=torch.bfloat16, device=CPU)
-    assert cache.k.shape == (cfg.num_layers, 3, cfg.num_kv_heads, 20, cfg.head_dim)
+    # capacity: ctx rounded up to the decoder's key block (it reads keys in whole blocks)
+    assert cache.ctx == 20 and cache.capacity == 64
+    assert cache.k.shape == (cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim)
     assert cache.nbytes == KVCache.bytes_for(cfg, 3, 20, torch.bfloat16)
+    assert KVCache(cfg, slots=1, ctx=128, dtype=torch.bfloat16, device=CPU).capacity == 128
 
 
 def test_batch_that_does_not_fit_the_cache_is_refused(tiny_dir):
