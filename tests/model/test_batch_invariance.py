@@ -1,0 +1,119 @@
+"""A token's logits do not depend on how its request was scheduled (decoder.py, batch_invariant).
+
+Bit-identical (torch.equal), in bfloat16 and float32, on tiny random models and the real
+default model: one whole prefill; the same prompt prefilled in chunks of 1, 7 and the
+rest; the prompt but its last token prefilled, then that token alone (what a prefix-cache
+hit recomputes); that token beside other rows (decodes and a prefill chunk); and decode
+steps alone against the same steps beside other slots' decodes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import make_tiny
+
+from mashbox.model import loader
+from mashbox.model.decoder import Batch, Decoder, _padded_queries
+from mashbox.model.kv_cache import KVCache
+
+CPU = torch.device("cpu")
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def _decoder(path: str, dtype: torch.dtype) -> Decoder:
+    weights = loader.load(path, dtype, CPU)
+    decoder = Decoder(weights.config, weights.tensors, dtype, CPU)
+    assert decoder.batch_invariant, "batch invariance is the CPU default"
+    return decoder
+
+
+def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) -> None:
+    """Slots 0..3 take the same prompt through four schedules; slots 4 and 5 are company."""
+    cache = KVCache(decoder.config, slots=6, ctx=ctx, dtype=decoder.dtype, device=CPU)
+    fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
+    n = len(prompt)
+    gen = torch.Generator().manual_seed(3)
+    other = torch.randint(0, vocab, (13,), generator=gen).tolist()
+
+    whole = fwd([(0, 0, prompt)])[0]
+    first = fwd([(1, 0, prompt[:1])])[0]
+    eighth = fwd([(1, 1, prompt[1:8])])[0]
+    chunked = fwd([(1, 8, prompt[8:])])[0]
+    assert torch.equal(first, fwd([(4, 0, prompt[:1])])[0]), "a 1-token prefill chunk"
+    assert torch.equal(eighth, fwd([(4, 0, prompt[:8])])[0]), "a chunk after a 1-token chunk"
+    assert torch.equal(whole, chunked), "chunks of 1, 7 and the rest"
+
+    fwd([(2, 0, prompt[:-1])])
+    assert torch.equal(whole, fwd([(2, n - 1, prompt[-1:])])[0]), "the last prompt token alone"
+
+    fwd([(3, 0, prompt[:-1])])
+    fwd([(5, 0, other)])
+    beside = fwd([(5, 13, [7]), (4, 0, prompt[: n // 2]), (3, n - 1, prompt[-1:])])
+    assert torch.equal(whole, beside[2]), "the last prompt token beside a decode and a prefill"
+
+    tok = int(whole.argmax())
+    for i in range(3):  # slot 0 alone; slots 1-3 (same history) beside each other and slot 5
+        alone = fwd([(0, n + i, [tok])])[0]
+        together = fwd([(1, n + i, [tok]), (5, 14 + i, [9]), (2, n + i, [tok]), (3, n + i, [tok])])
+        for row in (0, 2, 3):
+            assert torch.equal(alone, together[row]), f"decode step {i}, row {row}"
+        tok = int(alone.argmax())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
+@pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied"])
+def test_tiny_model_schedules_give_identical_logits(tmp_path, variant, dtype):
+    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype)
+    prompt = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(1)).tolist()
+    _check_schedules(decoder, prompt, ctx=64, vocab=128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
+def test_default_model_schedules_give_identical_logits(default_model_path, dtype):
+    """600 prompt tokens: past SDPA's 512-key block, so the chunked rows' queries meet
+    whole and partly masked key blocks."""
+    decoder = _decoder(default_model_path, dtype)
+    vocab = decoder.config.vocab_size
+    prompt = torch.randint(0, vocab, (600,), generator=torch.Generator().manual_seed(2)).tolist()
+    _check_schedules(decoder, prompt, ctx=640, vocab=vocab)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pad", ["linear_rows", "sdpa_queries"])
+def test_default_model_without_padding_logits_change(default_model_path, monkeypatch, pad):
+    """The tests above can fail: in bfloat16, without padding rows to the linears a decode
+    row alone differs from the same row beside another; without padding SDPA's queries the
+    last prompt token alone differs from the whole prefill."""
+    import mashbox.model.decoder as decoder_mod
+
+    if pad == "linear_rows":
+        monkeypatch.setattr(decoder_mod, "_MIN_ROWS", {})
+    else:
+        monkeypatch.setattr(decoder_mod, "_QUERY_MULTIPLE", {})
+    decoder = _decoder(default_model_path, torch.bfloat16)
+    cache = KVCache(decoder.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
+    fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
+    prompt = torch.randint(0, decoder.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = fwd([(0, 0, prompt)])[0]
+    fwd([(1, 0, prompt)])
+    fwd([(2, 0, prompt[:-1])])
+    if pad == "linear_rows":
+        alone = fwd([(0, 40, [7])])[0]
+        beside = fwd([(0, 40, [7]), (1, 40, [7])])
+        assert torch.equal(beside[0], beside[1])
+        assert not torch.equal(alone, beside[0])
+    else:
+        assert not torch.equal(whole, fwd([(2, 39, prompt[-1:])])[0])
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("multiple", [4, 8])
+def test_padded_queries_keep_every_sdpa_query_block_full_enough(group, multiple):
+    for n in range(1, 300):
+        padded = _padded_queries(n, group, multiple)
+        rows = group * padded
+        assert padded >= n and rows >= multiple
+        for block in (32, 64, 128, 256):  # SDPA's query blocks on CPU
+            tail = rows % block if rows > block else rows
+            assert tail == 0 or tail >= multiple, (n, padded, block)
