@@ -1,5 +1,5 @@
 """An answer built piece by piece as a route family's events: the part that
-messages.MessageStream and responses.ResponseStream share, and the loops that drive one.
+messages.MessageStream and responses.ResponseStream share, and the loop that streams one.
 
 Rules:
 - A subclass of `Answer` turns generation.Pieces into its family's content (Messages
