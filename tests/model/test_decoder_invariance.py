@@ -117,3 +117,24 @@ def test_padded_queries_keep_every_sdpa_query_block_full_enough(group, multiple)
         for block in (32, 64, 128, 256):  # SDPA's query blocks on CPU
             tail = rows % block if rows > block else rows
             assert tail == 0 or tail >= multiple, (n, padded, block)
+
+
+def test_packed_bfloat16_linears_give_the_plain_ones_bits(tmp_path, monkeypatch):
+    """bf16 on CPU runs linears on oneDNN-packed weights (for speed): same logits, bit for
+    bit, as F.linear on the plain weights."""
+    import mashbox.model.decoder as decoder_mod
+
+    folder = str(make_tiny(tmp_path, "qwen2"))  # tied head, q/k/v biases
+    packed = _decoder(folder, torch.bfloat16)
+    if not packed._packed:
+        pytest.skip("this torch has no oneDNN linear packing")
+    monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)
+    plain = _decoder(folder, torch.bfloat16)
+    assert not plain._packed
+    prompt = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    outs = []
+    for decoder in (packed, plain):
+        cache = KVCache(decoder.config, slots=2, ctx=64, dtype=torch.bfloat16, device=CPU)
+        first = decoder.forward(Batch.build([(0, 0, prompt), (1, 0, prompt[:9])]), cache)
+        outs.append(torch.cat([first, decoder.forward(Batch.build([(0, 30, [3])]), cache)]))
+    assert torch.equal(outs[0], outs[1])
