@@ -105,7 +105,13 @@ def test_forced_function_call(client, model_id, choice):
     call = calls[0]
     assert isinstance(call, ResponseFunctionToolCall)
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
-    assert isinstance(json.loads(call.arguments), dict)
+    # The 135M model may ramble inside the arguments until the budget ends; then the
+    # response says so, and only a finished call must hold valid JSON.
+    if resp.status == "completed":
+        assert isinstance(json.loads(call.arguments), dict)
+    else:
+        assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+        assert call.arguments.startswith("{")
     assert resp.tool_choice == choice if isinstance(choice, str) else resp.tool_choice.name == "get_weather"
 
 
@@ -119,7 +125,11 @@ def test_streamed_call_then_multi_turn(client, model_id):
     assert isinstance(call, ResponseFunctionToolCall) and call.name == "get_weather"
     assert call.model_dump() == [o for o in first.output if o.type == "function_call"][0].model_dump()
     args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-    assert args == call.arguments and isinstance(json.loads(call.arguments), dict)
+    assert args == call.arguments
+    if first.status == "completed":
+        assert isinstance(json.loads(call.arguments), dict)
+    else:  # cut by max_output_tokens mid-arguments: fed back as the model wrote them
+        assert first.incomplete_details.reason == "max_output_tokens" and args.startswith("{")
     history = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"}]
     second = client.responses.create(model=model_id, input=history, tools=[WEATHER], max_output_tokens=8)
