@@ -14,6 +14,8 @@ where copy bandwidth counts bytes read + bytes written. The last line is the res
 
 Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto] [--repeat 3]
        [--profile]   (adds a torch profiler table of one batch-1 and one batch-8 step)
+       [--weights dense|int8|int4]   (opt-in weight-only quantized linears, bf16 on CPU;
+       the bound stays the dense model's, so int4 can pass 100%)
 """
 from __future__ import annotations
 
@@ -133,6 +135,7 @@ def main() -> int:
                     help="rounds of b1, b4, b8 (interleaved); the best round of each counts, "
                          "since on a shared machine other load only ever slows a round down")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     path = args.model
@@ -144,6 +147,13 @@ def main() -> int:
                        dtype=args.dtype, device=args.device, threads=args.threads)
     engine = Engine(cfg)
     r = engine.runner
+    if args.weights != "dense":
+        # EngineConfig has no weights field yet: rebuild the runner's decoder in place
+        from mashbox.model import loader
+        from mashbox.model.decoder import Decoder
+
+        w = loader.load(path, r.dtype, r.device)
+        r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights)
     ForwardTimer(r.decoder)
     decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches
     rates, steps, fwd = {1: 0.0, 4: 0.0, 8: 0.0}, {}, {}
@@ -156,7 +166,8 @@ def main() -> int:
         bw = max(bw, copy_bandwidth(device=r.device.type))
     bound = bw / r.read_bytes_per_step
     print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
-          f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step; "
+          f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step "
+          f"(dense; weights {args.weights}); "
           f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s (read + write) -> bound {bound:.1f} steps/s")

@@ -69,7 +69,11 @@ class Runner:
             log.warning("ctx %d is larger than the model's trained length %d",
                         cfg.ctx, mc.max_position_embeddings)
         self.num_slots = cfg.slots
-        self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device)
+        # weights "dense" unless the config opts into weight-only int8 / int4 (a field
+        # EngineConfig does not have yet: asked of the config layer)
+        self.weight_format = getattr(cfg, "weights", "dense")
+        self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device,
+                                           weights=self.weight_format)
         del weights
         self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
         log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots",

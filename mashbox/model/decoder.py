@@ -32,7 +32,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -70,22 +70,73 @@ class Batch:
         )
 
 
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+_HEAD_FORMAT = {"dense": "dense", "int8": "int8", "int4": "dense"}  # the head: GGUF keeps it in 8 bits or more (Q8_0, Q6_K)
+_INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
+
+
+@dataclass(slots=True)
+class _Int8:
+    """Weight-only int8, symmetric per output row: w ~= q * scale."""
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out] model dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "_Int8":
+        scale = (w.float().abs().amax(dim=1) / 127).clamp_(min=1e-12)  # [out]
+        q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale.to(w.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+
+@dataclass(slots=True)
+class _Int4:
+    """Weight-only int4, asymmetric per group of _INT4_GROUP inputs: w ~= q * d + min, q in
+    [0, 15] (GGUF Q4_1's form), stored as torch's CPU int4 pack; the kernel computes
+    (q - 8) * scale + zero, so zero = min + 8 d."""
+    packed: torch.Tensor
+    scale_zero: torch.Tensor  # [in / group, out, 2] model dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "_Int4":
+        out, inp = w.shape
+        g = w.float().view(out, inp // _INT4_GROUP, _INT4_GROUP)  # [out, groups, group]
+        lo = g.amin(dim=-1)
+        d = ((g.amax(dim=-1) - lo) / 15).clamp_(min=1e-12)  # [out, groups]
+        q = ((g - lo[..., None]) / d[..., None]).round_().clamp_(0, 15).to(torch.int32).view(out, inp)
+        scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+        return cls(torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, _INT4_GROUP, self.scale_zero)
+
+
+_Weight = Union[torch.Tensor, _Int8, _Int4]  # a plain [out, in], oneDNN-packed, or int weight
+
+
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: _Weight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: Optional[torch.Tensor]  # [q_size + 2 * kv_size]
     qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
-    o: torch.Tensor  # [hidden, q_size]
+    o: _Weight  # [hidden, q_size]
     o_bias: Optional[torch.Tensor]  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: _Weight  # [2 * intermediate, hidden]
+    down: _Weight  # [hidden, intermediate]
 
 
 class Decoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, batch_invariant: Optional[bool] = None):
+                 device: torch.device, batch_invariant: Optional[bool] = None, weights: str = "dense"):
+        if weights not in WEIGHT_FORMATS:
+            raise ModelError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
+        if weights != "dense" and not _packs_linears(torch.device(device), dtype):
+            raise ModelError(f"weights {weights} needs bfloat16 on a CPU with oneDNN")
+        self.weights = weights
         self.config = config
         self.batch_invariant = (torch.device(device).type == "cpu") if batch_invariant is None else batch_invariant
         self.dtype = dtype
@@ -133,24 +184,35 @@ class Decoder:
         self._min_rows = _MIN_ROWS.get(dtype, 1)
         self._packed = _packs_linears(self.device, dtype)
         if self._packed:
-            self._pack_weights()
+            self._pack_weights(weights)
 
-    def _pack_weights(self) -> None:
+    def _pack_weights(self, weights: str) -> None:
         """Reorder every linear weight into oneDNN's blocked layout, once. Measured on this
         project's CPU (bf16, batch-1 decode, 1 thread): the model's matmuls take 10 ms
         instead of 19 ms per step, and each output is bit-identical to F.linear's for
         every row count. A tied output head gets its own packed copy (the embedding
         keeps the plain layout for its row gather): the embedding's bytes once more in
-        memory."""
-        def pack(w: torch.Tensor) -> torch.Tensor:
+        memory.
+
+        weights (opt-in "int8" / "int4"): weight-only int8 per row or int4 per
+        group of 32 instead (other logits than dense, still batch invariant); a weight
+        whose input size the int4 groups do not divide stays dense."""
+        def pack(w: torch.Tensor, fmt: str) -> _Weight:
+            if fmt == "int4" and w.shape[1] % _INT4_GROUP == 0 and w.shape[0] % 8 == 0:
+                return _Int4.of(w)
+            if fmt == "int8":
+                return _Int8.of(w)
             return torch.ops.mkldnn._reorder_linear_weight(w, 2)
         for layer in self.layers:
-            layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
-            layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
-        self.lm_head = pack(self.lm_head)
+            layer.qkv, layer.o = pack(layer.qkv, weights), pack(layer.o, weights)
+            layer.gate_up, layer.down = pack(layer.gate_up, weights), pack(layer.down, weights)
+        self.lm_head = pack(self.lm_head, _HEAD_FORMAT[weights])
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [M, in] @ w.T (+ b) -> [M, out]; w packed by _pack_weights or plain."""
+    def _linear(self, x: torch.Tensor, w: _Weight, b: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [M, in] @ w.T (+ b) -> [M, out]; w plain, packed or quantized by _pack_weights."""
+        if isinstance(w, (_Int8, _Int4)):
+            y = w(x)
+            return y if b is None else y + b
         if self._packed:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
         return F.linear(x, w, b)
