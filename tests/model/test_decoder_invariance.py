@@ -42,6 +42,11 @@ def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) 
     assert torch.equal(first, fwd([(4, 0, prompt[:1])])[0]), "a 1-token prefill chunk"
     assert torch.equal(eighth, fwd([(4, 0, prompt[:8])])[0]), "a chunk after a 1-token chunk"
     assert torch.equal(whole, chunked), "chunks of 1, 7 and the rest"
+    # every layer's K/V of every position, not only the last logits: in the default-model
+    # test the whole prefill reads 640 keys (two SDPA key blocks, the second all masked
+    # for positions < 512), the first two chunks 64 keys (one block)
+    assert torch.equal(cache.k[:, 0, :, :n], cache.k[:, 1, :, :n])
+    assert torch.equal(cache.v[:, 0, :, :n], cache.v[:, 1, :, :n])
 
     fwd([(2, 0, prompt[:-1])])
     assert torch.equal(whole, fwd([(2, n - 1, prompt[-1:])])[0]), "the last prompt token alone"
