@@ -13,6 +13,8 @@ Rules:
   places the parts side by side (fused_layout.py), so fusing is a view; parts from
   elsewhere are concatenated. The Decoder takes ownership of the `tensors` dict and
   empties it, so unfused parts are freed as the fused ones are built.
+- On CPU, linear weights are packed once for oneDNN (_pack_weights; 1.6x faster batch-1
+  decode); weights="int8" / "int4" opts into weight-only quantized linears (bf16).
 - GQA never materialises repeated K/V: a row's q is viewed as [kv_heads, group * n,
   head_dim] against the slot's [kv_heads, L, head_dim] keys (batch_invariant), or prefill
   uses SDPA's enable_gqa.
@@ -24,7 +26,8 @@ Rules:
   SDPA call over its slot's keys [0, end rounded up to _KEY_BLOCK) (masked keys add exact
   zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
   small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise).
-  Cost measured at batch 1/4/8 decode: +3% / +7% / +14% per step, prefill unchanged.
+  Cost measured in bf16 at batch 1/4/8 decode: +3% / +7% / +14% per step, prefill
+  unchanged (before packed linears, which more than pay for it).
   Without batch_invariant (the default on CUDA, where kernel launches dominate) decode
   rows whose slots cover a compact range attend in one SDPA call over a view of that
   range, padded keys masked, and prefill chunks use plain causal attention.
@@ -134,7 +137,7 @@ class Decoder:
                  device: torch.device, batch_invariant: Optional[bool] = None, weights: str = "dense"):
         if weights not in WEIGHT_FORMATS:
             raise ModelError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
-        if weights != "dense" and not _packs_linears(torch.device(device), dtype):
+        if weights != "dense" and not (dtype == torch.bfloat16 and _packs_linears(torch.device(device), dtype)):
             raise ModelError(f"weights {weights} needs bfloat16 on a CPU with oneDNN")
         self.weights = weights
         self.config = config
@@ -188,11 +191,11 @@ class Decoder:
 
     def _pack_weights(self, weights: str) -> None:
         """Reorder every linear weight into oneDNN's blocked layout, once. Measured on this
-        project's CPU (bf16, batch-1 decode, 1 thread): the model's matmuls take 10 ms
-        instead of 19 ms per step, and each output is bit-identical to F.linear's for
-        every row count. A tied output head gets its own packed copy (the embedding
-        keeps the plain layout for its row gather): the embedding's bytes once more in
-        memory.
+        project's CPU (default model, batch-1 decode, 1 thread): bf16 matmuls take 10 ms
+        instead of 19 ms per step, each output bit-identical to F.linear's; float32
+        steps 23 ms instead of 37 (there F.linear takes MKL, whose bits differ). A tied
+        output head gets its own packed copy (the embedding keeps the plain layout for
+        its row gather): the embedding's bytes once more in memory.
 
         weights (opt-in "int8" / "int4"): weight-only int8 per row or int4 per
         group of 32 instead (other logits than dense, still batch invariant); a weight
@@ -273,26 +276,26 @@ class Decoder:
 
 
 # Batch invariance (see the module docstring), measured on this project's CPU
-# (AMD EPYC with avx512_bf16, torch 2.13, MKL / oneDNN), 1 and 2 threads:
-# - float32 linears give the same bits per row for 8 or more rows, other bits for 1-3
-#   rows (MKL's small-M kernels) and, with 2 threads, for 5-7 rows; bfloat16 linears
-#   give other bits for 1 row than for 2 or more (the MLP down projection).
+# (AMD EPYC with avx512_bf16, torch 2.13, oneDNN / MKL), 1 and 2 threads:
+# - oneDNN linears on packed weights (bfloat16 and float32) give the same bits per row
+#   for any 2 or more rows, other bits for 1 row (the MLP down projection). (Plain
+#   float32 F.linear takes MKL: other bits for 1-3 rows and, with 2 threads, 5-7.)
 # - SDPA's flash kernel on CPU reduces over keys in blocks of 512 with one running vector
 #   sum and sequential gemm accumulation, so keys masked past a query's own (probability
 #   exactly 0) leave its bits alone, provided the key count is a whole number of vectors:
 #   keys are read in blocks of _KEY_BLOCK.
 # - Inside that kernel the q.k and p.v gemms give other bits for query blocks of fewer
-#   than 4 rows (both dtypes; float32 is held to 8 like its linears). Query blocks are
-#   32, 64, 128 or 256 rows, so _padded_queries keeps every block at the multiple.
-_MIN_ROWS = {torch.float32: 8, torch.bfloat16: 2}
-_QUERY_MULTIPLE = {torch.float32: 8, torch.bfloat16: 4}
+#   than 4 rows (both dtypes). Query blocks are 32, 64, 128 or 256 rows, so
+#   _padded_queries keeps every block at 4 rows or more.
+_MIN_ROWS = {torch.float32: 2, torch.bfloat16: 2}
+_QUERY_MULTIPLE = {torch.float32: 4, torch.bfloat16: 4}
 _KEY_BLOCK = KEY_BLOCK  # kv_cache rounds its capacity up to it
 
 
 def _packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """bfloat16 on CPU with oneDNN: linears run on prepacked weights (Decoder._pack_weights)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """CPU with oneDNN: linears run on prepacked weights (Decoder._pack_weights)."""
+    return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def _padded_queries(n: int, group: int, multiple: int) -> int:

@@ -119,9 +119,17 @@ def test_config_flags_follow_the_architecture(tiny_dir):
     }
 
 
-def test_tied_embedding_is_held_once(tiny_dir):
-    weights = loader.load(str(make_tiny(tiny_dir, "llama_tied")), torch.float32, CPU)
+def test_tied_embedding_is_held_once_unless_the_head_is_packed(tiny_dir, monkeypatch):
+    import mashbox.model.decoder as decoder_mod
+
+    folder = str(make_tiny(tiny_dir, "llama_tied"))
+    weights = loader.load(folder, torch.float32, CPU)
     assert "lm_head.weight" not in weights.tensors
+    packed = Decoder(weights.config, weights.tensors, torch.float32, CPU)
+    # on CPU the head is packed for oneDNN: a copy, the embedding stays plain for its gather
+    assert packed._packed and packed.lm_head is not packed.embed
+    monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)
+    weights = loader.load(folder, torch.float32, CPU)
     decoder = Decoder(weights.config, weights.tensors, torch.float32, CPU)
     assert decoder.lm_head is decoder.embed
 
@@ -220,7 +228,12 @@ def test_weights_that_do_not_match_the_config_raise_model_error(tiny_dir):
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama"])
-def test_fused_weights_are_the_loaded_buffers_not_copies(tiny_dir, variant):
+def test_fused_weights_are_the_loaded_buffers_not_copies(tiny_dir, variant, monkeypatch):
+    import mashbox.model.decoder as decoder_mod
+
+    # unpacked weights (CUDA, or a CPU torch without oneDNN); packing then reorders each
+    # fused buffer into a new one and drops the old
+    monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)
     weights = loader.load(str(make_tiny(tiny_dir, variant)), torch.float32, CPU)
     a = "model.layers.1.self_attn."
     q_ptr = weights.tensors[a + "q_proj.weight"].data_ptr()
