@@ -23,8 +23,8 @@ Rules:
   token recomputed alone after a prefix-cache hit, alone or beside other rows, in
   bfloat16 and float32 (bit-identical; measured on this project's CPU, see _MIN_ROWS).
   Three rules make it so: every row, prefill chunk or decode, attends through one masked
-  SDPA call over its slot's keys [0, end rounded up to _KEY_BLOCK) (masked keys add exact
-  zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
+  SDPA call over its slot's keys [0, kv_cache.key_width(end)): 128, or whole blocks of
+  512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
   small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise).
   Cost measured in bf16 at batch 1/4/8 decode: +3% / +7% / +14% per step, prefill
   unchanged (before packed linears, which more than pay for it).
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
-from mashbox.model.kv_cache import KEY_BLOCK, KVCache
+from mashbox.model.kv_cache import KVCache, key_width
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 
@@ -280,16 +280,18 @@ class Decoder:
 # - oneDNN linears on packed weights (bfloat16 and float32) give the same bits per row
 #   for any 2 or more rows, other bits for 1 row (the MLP down projection). (Plain
 #   float32 F.linear takes MKL: other bits for 1-3 rows and, with 2 threads, 5-7.)
-# - SDPA's flash kernel on CPU reduces over keys in blocks of 512 with one running vector
-#   sum and sequential gemm accumulation, so keys masked past a query's own (probability
-#   exactly 0) leave its bits alone, provided the key count is a whole number of vectors:
-#   keys are read in blocks of _KEY_BLOCK.
+# - SDPA's flash kernel on CPU splits keys into blocks of 512; inside a block its gemms
+#   round differently for other block widths (float32: a query at position 300 gets
+#   other bits over 384 keys than over 320; bfloat16 the same, seen less often after
+#   rounding). Keys past a query's own are masked (probability exactly 0), and a wholly
+#   masked block adds exact zeros. So a row reads its slot's keys [0, key_width(end)):
+#   128 while it fits (the same bits as 512 for those queries, measured), else whole
+#   blocks of 512, and each query meets the same block widths whatever its row.
 # - Inside that kernel the q.k and p.v gemms give other bits for query blocks of fewer
 #   than 4 rows (both dtypes). Query blocks are 32, 64, 128 or 256 rows, so
 #   _padded_queries keeps every block at 4 rows or more.
 _MIN_ROWS = {torch.float32: 2, torch.bfloat16: 2}
 _QUERY_MULTIPLE = {torch.float32: 4, torch.bfloat16: 4}
-_KEY_BLOCK = KEY_BLOCK  # kv_cache rounds its capacity up to it
 
 
 def _packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -313,7 +315,7 @@ class _Plan:
     """One forward's attention plan: index tensors and masks shared by every layer.
 
     invariant: every row (prefill chunk or decode) takes one code path: masked SDPA over
-    the slot's keys [0, end rounded up to _KEY_BLOCK), its queries padded to the dtype's
+    the slot's keys [0, key_width(end)), its queries padded to the dtype's
     multiple, so a query's result depends only on its own keys and position. Otherwise
     plain causal prefills, and decode rows over compact slot ranges batched in one call.
     """
@@ -348,7 +350,7 @@ class _Plan:
             last.append(t0 + n - 1)
             end = start + n
             if invariant:
-                keys = -(-end // _KEY_BLOCK) * _KEY_BLOCK
+                keys = key_width(end)
                 padded = _padded_queries(n, self.group, qmult)
                 # padding queries repeat the last one's position (their output is dropped)
                 qpos = torch.arange(start, start + padded, device=device).clamp_(max=end - 1).unsqueeze(1)

@@ -182,11 +182,13 @@ def test_kv_cache_shape_and_size():
 
     cfg = ModelConfig.from_hf(make_config("qwen3").to_dict())
     cache = KVCache(cfg, slots=3, ctx=20, dtype=torch.bfloat16, device=CPU)
-    # capacity: ctx rounded up to the decoder's key block (it reads keys in whole blocks)
-    assert cache.ctx == 20 and cache.capacity == 64
-    assert cache.k.shape == (cfg.num_layers, 3, cfg.num_kv_heads, 64, cfg.head_dim)
+    # capacity: the decoder's key width for ctx (it reads keys in whole blocks)
+    assert cache.ctx == 20 and cache.capacity == 128
+    assert cache.k.shape == (cfg.num_layers, 3, cfg.num_kv_heads, 128, cfg.head_dim)
     assert cache.nbytes == KVCache.bytes_for(cfg, 3, 20, torch.bfloat16)
-    assert KVCache(cfg, slots=1, ctx=128, dtype=torch.bfloat16, device=CPU).capacity == 128
+    assert KVCache(cfg, slots=1, ctx=1024, dtype=torch.bfloat16, device=CPU).capacity == 1024
+    assert KVCache(cfg, slots=1, ctx=1025, dtype=torch.bfloat16, device=CPU).capacity == 1536
+    assert KVCache(cfg, slots=1, ctx=129, dtype=torch.bfloat16, device=CPU).capacity == 512
 
 
 def test_batch_that_does_not_fit_the_cache_is_refused(tiny_dir):
