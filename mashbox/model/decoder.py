@@ -27,8 +27,9 @@ Rules:
   512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
   small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise).
   Cost, bf16, 1 thread, against the same code reading keys in blocks of 64 (which is not
-  invariant): nothing up to 128 keys; at 300 keys a decode step +1 ms per row (512 keys
-  read). Against the decoder before this work (not invariant), with packed linears:
+  invariant): nothing up to 128 keys; at 300 keys about +0.7 ms per decode row (512 keys
+  read; batch 8: 34.7 -> 40.4 ms per step). A sliding-window model reads keys from 0
+  too (masked outside its window). Against the decoder before this work (not invariant), with packed linears:
   batch-1 decode 29% faster, batch 8 13% slower at 300 keys, prefill unchanged.
   Without batch_invariant (the default on CUDA, where kernel launches dominate) decode
   rows whose slots cover a compact range attend in one SDPA call over a view of that
