@@ -131,11 +131,13 @@ def test_bad_flag_values_exit_2():
     assert r.returncode == 2 and "--slots" in r.stderr
     r = mashbox("run", "--dtype", "float8")
     assert r.returncode == 2 and "--dtype" in r.stderr
+    r = mashbox("run", "--weights", "int4", "--dtype", "float32")
+    assert r.returncode == 2 and "--weights int4 runs in bfloat16" in r.stderr
 
 
 def test_help_lists_every_flag():
     r = mashbox("run", "--help")
     assert r.returncode == 0
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
-                 "--device", "--prefill-chunk", "--threads", "--ui", "--log-level"):
+                 "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level"):
         assert flag in r.stdout, flag

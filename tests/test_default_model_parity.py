@@ -93,3 +93,30 @@ def test_prompt_ids_and_greedy_tokens_equal_transformers(default_model_path, ref
     for conv, prompt, ours in zip(CONVERSATIONS, prompts, got):
         expected = hf_greedy(hf_tok, model, prompt)
         assert ours == expected, (conv[-1]["content"], tok.decode(ours), tok.decode(expected))
+
+
+def test_int4_weights_end_to_end(default_model_path):
+    """`--weights int4` (opt-in): the same engine path on quantized linears still answers."""
+    from mashbox.text.chat import ChatTemplate
+    from mashbox.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model_path)
+    ids = list(ChatTemplate(tok).build(CONVERSATIONS[0]).ids)
+    cfg = EngineConfig(model_path=default_model_path, model_id="smollm2-135m", slots=2, ctx=512,
+                       threads=1, weights="int4")
+
+    async def main():
+        client = EngineClient(cfg, ServerConfig())
+        await client.start()
+        try:
+            await client.wait_ready(timeout=300)
+            h = client.submit(GenerationRequest(id="q", tenant="t", prompt_ids=tuple(ids),
+                                                sampling=SamplingParams(), max_tokens=16))
+            return [ev async for ev in h], client.info
+        finally:
+            await client.stop()
+
+    events, info = asyncio.run(main())
+    text = "".join(ev.text for ev in events)
+    assert info["dtype"] == "bfloat16"  # auto is held to bfloat16 for quantized linears
+    assert "Paris" in text and events[-1].finish_reason == "stop", text

@@ -49,7 +49,9 @@ class Runner:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         hidden = loader.read_config(cfg.model_path).hidden_size  # sizes the auto-dtype probe
-        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, cfg.dtype, hidden)
+        # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
+        dtype = "bfloat16" if cfg.weights != "dense" and cfg.dtype == "auto" else cfg.dtype
+        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, dtype, hidden)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device)
         self.model_config = mc = weights.config
@@ -69,9 +71,8 @@ class Runner:
             log.warning("ctx %d is larger than the model's trained length %d",
                         cfg.ctx, mc.max_position_embeddings)
         self.num_slots = cfg.slots
-        # weights "dense" unless the config opts into weight-only int8 / int4 (a field
-        # EngineConfig does not have yet: asked of the config layer)
-        self.weight_format = getattr(cfg, "weights", "dense")
+        # weights "dense" unless the config opts into weight-only int8 / int4
+        self.weight_format = cfg.weights
         self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device,
                                            weights=self.weight_format)
         del weights
