@@ -29,7 +29,6 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the worker runs (engine/client.py)
 
 import torch  # noqa: E402
 

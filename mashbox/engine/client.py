@@ -208,10 +208,9 @@ class EngineClient:
         parent.setblocking(False)
         env = dict(os.environ)
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        # OpenMP threads that spin at barriers starve each other when the cores are
-        # shared: measured 4x slower decode steps on a busy 2-core machine (see
-        # benchmarks/decode.py); yielding threads cost little when the cores are free.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # OMP_WAIT_POLICY is left to the user: on free cores OpenMP's spinning threads
+        # decode ~1.7x faster than yielding ones (benchmarks/decode.py, 2 cores: b1 81 vs
+        # 48 tok/s), while on a busy shared machine PASSIVE (or --threads 1) is faster.
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "mashbox.engine.worker", "--fd", str(child.fileno()),

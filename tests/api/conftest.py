@@ -62,7 +62,9 @@ def start_server(model_path: str, tmp_dir: str, extra_args: tuple = (), headers:
     log_path = os.path.join(tmp_dir, f"mashbox-{port}.log")
     log = open(log_path, "wb")
     cmd = [sys.executable, "-m", "mashbox", "run", model_path, "--port", str(port),
-           "--slots", str(SERVER_SLOTS), "--ctx", str(SERVER_CTX), *extra_args]
+           "--slots", str(SERVER_SLOTS), "--ctx", str(SERVER_CTX),
+           # one torch thread: the test client and the server share CI's 2 cores
+           "--threads", "1", *extra_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
     base = f"http://127.0.0.1:{port}"
