@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import pytest
 
@@ -10,7 +9,6 @@ from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, Serv
 from mashbox.engine.client import EngineClient
 
 pytestmark = pytest.mark.slow
-log = logging.getLogger(__name__)
 TIMEOUT = 300
 
 
@@ -56,7 +54,7 @@ def req(rid, ids, max_tokens, **sampling):
                              sampling=SamplingParams(**sampling), max_tokens=max_tokens)
 
 
-def test_concurrent_requests_eos_and_seeds(default_model_path, tok, record_property):
+def test_concurrent_requests_eos_and_seeds(default_model_path, tok):
     question = chat(tok, "What is the capital of France? Answer in one short sentence.")
     others = [chat(tok, "Write a haiku about autumn."),
               chat(tok, "List five prime numbers, separated by commas. " * 3),
@@ -83,13 +81,9 @@ def test_concurrent_requests_eos_and_seeds(default_model_path, tok, record_prope
     for r in crowd + crowd2:  # every request of the mixed batches completes
         assert r[2].finish_reason in ("stop", "length") and r[0]
     assert stats["requests_finished"]["stop"] + stats["requests_finished"].get("length", 0) == 11
-    # Batch invariance is recorded, not asserted: see the engine report (bf16 down_proj
-    # and the batched decode attention change low bits with the batch's make-up).
-    greedy_same = crowd[0][0] == ids
-    seeded_same = crowd2[0][0] == seeded_alone[0][0]
-    record_property("greedy_alone_equals_beside_3", greedy_same)
-    record_property("seeded_alone_equals_beside_3", seeded_same)
-    log.warning("default model: greedy alone == beside 3 others: %s; seeded: %s", greedy_same, seeded_same)
+    # The decoder is batch invariant: alone and beside 3 others give the same tokens.
+    assert crowd[0][0] == ids
+    assert crowd2[0][0] == seeded_alone[0][0]
 
 
 def test_prefix_reuse_of_a_1000_token_prefix(default_model_path, tok):
