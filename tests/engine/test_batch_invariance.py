@@ -15,41 +15,21 @@ All must give identical token ids.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 
-from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient
+from mashbox.config import GenerationRequest, SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_harness import chat, run_default  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TIMEOUT = 300
 TOKENS = 64
 CHUNK = 8  # the crowded engine's prefill budget per step
 GREEDY = dict(temperature=0.0)
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
-
-
-def chat(tok, user: str) -> list[int]:
-    return tok.encode_marked([
-        ("<|im_start|>", True), ("system\nYou are a helpful assistant.", False), ("<|im_end|>", True),
-        ("\n", False), ("<|im_start|>", True), (f"user\n{user}", False), ("<|im_end|>", True),
-        ("\n", False), ("<|im_start|>", True), ("assistant\n", False),
-    ])
-
-
-def run(coro_fn, path: str, **kw):
-    # one torch thread, as the other default-model tests (shared 2-core machine)
-    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", **{"slots": 4, "ctx": 1024, "threads": 1, **kw})
-
-    async def main():
-        client = EngineClient(cfg, ServerConfig())
-        await client.start()
-        try:
-            await client.wait_ready(timeout=TIMEOUT)
-            return await asyncio.wait_for(coro_fn(client), TIMEOUT)
-        finally:
-            await client.stop()
-    return asyncio.run(main())
 
 
 async def collect(handle) -> tuple[list[int], object]:
@@ -88,8 +68,8 @@ def test_cold_warm_and_crowded_requests_give_identical_tokens(default_model_path
             results[name] = done[-1]
         return results
 
-    single = run(alone, default_model_path)
-    crowd = run(crowded, default_model_path, prefill_chunk=CHUNK)
+    single = run_default(alone, default_model_path, ctx=1024)
+    crowd = run_default(crowded, default_model_path, ctx=1024, prefill_chunk=CHUNK)
     for name in ("greedy", "seeded"):
         cold_ids, cold_final = single["cold", name]
         warm_ids, warm_final = single["warm", name]

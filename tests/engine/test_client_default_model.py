@@ -2,23 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import pytest
 
-from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient
+from mashbox.config import GenerationRequest, SamplingParams
+
+sys.path.insert(0, os.path.dirname(__file__))
+from engine_harness import chat, run_default  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TIMEOUT = 300
-
-
-def chat(tok, user: str) -> list[int]:
-    """SmolLM2's ChatML turn, markers as special ids, user text as plain text."""
-    return tok.encode_marked([
-        ("<|im_start|>", True), ("system\nYou are a helpful assistant.", False), ("<|im_end|>", True),
-        ("\n", False), ("<|im_start|>", True), (f"user\n{user}", False), ("<|im_end|>", True),
-        ("\n", False), ("<|im_start|>", True), ("assistant\n", False),
-    ])
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +20,6 @@ def tok(default_model_path):
     from mashbox.text.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path)
-
-
-def run(coro_fn, path: str, **kw):
-    # one torch thread: on a shared 2-core machine OpenMP barriers with a busy second
-    # core cost milliseconds per op
-    cfg = EngineConfig(model_path=path, model_id="smollm2-135m", **{"slots": 4, "ctx": 2048, "threads": 1, **kw})
-
-    async def main():
-        client = EngineClient(cfg, ServerConfig())
-        await client.start()
-        try:
-            await client.wait_ready(timeout=TIMEOUT)
-            return await asyncio.wait_for(coro_fn(client), TIMEOUT)
-        finally:
-            await client.stop()
-    return asyncio.run(main())
 
 
 async def collect(handle):
@@ -72,7 +50,7 @@ def test_concurrent_requests_eos_and_seeds(default_model_path, tok):
         crowd2 = await asyncio.gather(*(collect(h) for h in hs))
         return greedy_alone, seeded_alone, crowd, crowd2, client.stats()
 
-    greedy_alone, seeded_alone, crowd, crowd2, stats = run(main, default_model_path)
+    greedy_alone, seeded_alone, crowd, crowd2, stats = run_default(main, default_model_path)
     ids, text, final = greedy_alone
     assert final.finish_reason == "stop", (text, final)  # <|im_end|> ends the turn
     assert "Paris" in text and "<|im_end|>" not in text
@@ -100,7 +78,7 @@ def test_prefix_reuse_of_a_1000_token_prefix(default_model_path, tok):
         b = await collect(client.submit(req("b", second, 8)))
         return a, b, client.stats()
 
-    a, b, stats = run(main, default_model_path, slots=2, prefill_chunk=512)
+    a, b, stats = run_default(main, default_model_path, slots=2, prefill_chunk=512)
     assert a[2].timings.prompt_n == len(first) and a[2].timings.cache_n == 0
     assert b[2].timings.cache_n == 1000
     assert b[2].timings.prompt_n == len(second) - 1000  # only the new tokens

@@ -16,6 +16,7 @@ from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, Serv
 from mashbox.engine.client import EngineClient, EngineStartError, NotReady, QueueFull
 
 sys.path.insert(0, os.path.dirname(__file__))
+from engine_harness import run_client  # noqa: E402
 from tiny_model import hf_greedy, make_tiny_llama  # noqa: E402
 
 TIMEOUT = 120
@@ -41,16 +42,7 @@ def engine_cfg(path: str, **kw) -> EngineConfig:
 
 
 def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig()):
-    """Start a client, wait for ready, run `coro_fn(client)`, always stop the worker."""
-    async def main():
-        client = EngineClient(cfg, server)
-        await client.start()
-        try:
-            await client.wait_ready(timeout=TIMEOUT)
-            return await asyncio.wait_for(coro_fn(client), TIMEOUT)
-        finally:
-            await client.stop()
-    return asyncio.run(main())
+    return run_client(coro_fn, cfg, server, timeout=TIMEOUT)
 
 
 def greq(rid: str, ids, max_tokens: int = 8, tenant: str = "t", **sampling) -> GenerationRequest:
