@@ -133,3 +133,28 @@ def test_a_model_that_cannot_load_ends_serve_with_exit_code_1(default_model_path
             engine=BrokenEngine(lambda req: [], ready=False), stop=asyncio.Event()), 60)
 
     assert asyncio.run(main()) == 1
+
+
+def test_ui_page_replaces_health_at_root_only_with_ui(default_model_path):
+    """`mashbox run --ui`: GET / is the chat page; health stays at /health and /v1/health.
+    The page drives this server's own streamed chat route, which the scripted engine answers."""
+    from mashbox.config import ServerConfig
+
+    engine = ScriptedEngine(lambda req: text_events(req, ["Hel", "lo"]))
+    with InProcessServer(engine, default_model_path, ServerConfig(host="127.0.0.1", port=0, ui=True)) as app:
+        r = httpx.get(app.base_url + "/")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert "<title>MASHBOX Chat</title>" in r.text and "/v1/chat/completions" in r.text
+        assert httpx.head(app.base_url + "/").status_code == 200
+        assert httpx.get(app.base_url + "/health").json()["status"] == "ok"
+        # The request the page sends, and the fields its script reads from the stream.
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", app.base_url + "/v1/chat/completions", json=body) as s:
+            frames = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(f) for f in frames[:-1]]
+        assert frames[-1] == "[DONE]"
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "Hello"
+        assert any("timings" in c for c in chunks)
+    with InProcessServer(engine, default_model_path) as app:  # without --ui, / is health
+        assert httpx.get(app.base_url + "/").json()["status"] == "ok"
