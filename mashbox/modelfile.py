@@ -10,8 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# HF model_type / GGUF general.architecture values the decoder runs.
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# What the model layer runs (torch-free module): HF model_type values, and GGUF
+# general.architecture values (a narrower set: no "mistral").
+from mashbox.model.model_config import ARCHITECTURES, GGUF_ARCHITECTURES
 
 
 class ModelFileError(Exception):
@@ -69,8 +70,10 @@ def inspect(path: Path) -> ModelFile:
     if not path.exists():
         raise ModelFileError(f"no such file or folder: {path}")
     mf = _hf(path) if path.is_dir() else _gguf(path)
-    if mf.arch not in SUPPORTED_ARCHS:
+    supported = tuple(GGUF_ARCHITECTURES) if mf.format == "gguf" else ARCHITECTURES
+    if mf.arch not in supported:
         raise ModelFileError(
-            f"{path}: unsupported architecture {mf.arch!r} (mashbox runs {', '.join(SUPPORTED_ARCHS)})"
+            f"{path}: unsupported architecture {mf.arch!r} (mashbox runs {', '.join(supported)} "
+            f"from {'GGUF files' if mf.format == 'gguf' else 'model folders'})"
         )
     return mf

@@ -141,3 +141,22 @@ def test_help_lists_every_flag():
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
                  "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level"):
         assert flag in r.stdout, flag
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    """The CLI checks a GGUF file's architecture against what the model layer loads from
+    GGUF (no "mistral": Mistral files are written as "llama"), before any worker starts."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mistral.gguf"
+    w = gguf.GGUFWriter(str(path), "mistral")
+    w.add_context_length(64)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = mashbox("run", str(path))
+    assert r.returncode == 2
+    assert "unsupported architecture 'mistral'" in r.stderr and "GGUF" in r.stderr

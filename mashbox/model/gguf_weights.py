@@ -25,12 +25,11 @@ import torch
 from mashbox.model import quants
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import FusedLayout
+from mashbox.model.model_config import GGUF_ARCHITECTURES as _ARCHES
 from mashbox.model.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-# GGUF general.architecture -> our arch. Mistral 7B files are written as "llama".
-_ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Architectures whose q/k rows llama.cpp's converter permutes.
 _PERMUTED_ARCHES = ("llama",)
 

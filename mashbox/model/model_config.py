@@ -18,6 +18,10 @@ from typing import Optional
 from mashbox.model.errors import ModelError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# GGUF general.architecture -> our arch. Mistral 7B files are written as "llama".
+# Torch-free, like this whole module: mashbox/modelfile.py checks a path against these
+# before any worker starts.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # "linear": positions divided by factor. "llama3": Llama-3.1 frequency-band scaling.
 # "freq_factors": per-frequency divisors given as a list (what llama.cpp stores in a
