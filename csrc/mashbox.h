@@ -1,4 +1,5 @@
-/* mashbox's whole C API: sampling, stop-string matching, prefix-cache block hashes.
+/* mashbox's whole C API: sampling, stop-string matching, prefix-cache block hashes,
+ * bfloat16 linear layers.
  *
  * Rules (csrc/ is thin and boring on purpose):
  * - Flat buffers and lengths in, a status code out (MB_OK or a negative MB_E*); the
@@ -8,7 +9,8 @@
  *   tests/test_native_*.py check that both give the same bits.
  * - Floating point must follow IEEE double/float exactly: build without -ffast-math and
  *   with -ffp-contract=off (csrc/build.py), so no FMA changes a rounding.
- * - Only mashbox/native.py calls these.
+ * - Only mashbox/native.py calls these (the linear layers: mashbox/model/linear.py,
+ *   through native.py's pointer-level wrappers, since their buffers are torch tensors).
  */
 #ifndef MASHBOX_H
 #define MASHBOX_H
@@ -70,5 +72,27 @@ int mb_block_hashes(const int32_t *ids, int64_t n, int32_t block, uint64_t *out)
 int mb_longest_prefix(const uint64_t *query, int32_t n_query, const uint64_t *table,
                       int32_t slots, int32_t max_blocks, const int32_t *counts,
                       const uint8_t *usable, int32_t *out_slot, int32_t *out_blocks);
+
+/* bfloat16 linear layers (csrc/linear.c states the arithmetic). Kernels: */
+#define MB_KERNEL_PORTABLE 1    /* plain C, any CPU: the rule itself, slow */
+#define MB_KERNEL_AVX512BF16 2  /* vdpbf16ps; the same bits as the portable kernel */
+
+/* The fastest kernel this CPU runs. */
+int32_t mb_bf16_kernel(void);
+
+/* Bytes of a [n, k] weight's packed form (0 when k is odd or a size is < 1). */
+size_t mb_bf16_packed_bytes(int32_t n, int32_t k);
+
+/* Pack w (bfloat16 bits, [n, k] row-major) into packed (mb_bf16_packed_bytes bytes). */
+int mb_bf16_pack(const uint16_t *w, int32_t n, int32_t k, uint16_t *packed);
+
+/* y[r, c] = x[r, :k] . w[c, :k] (+ bias[c]) for r < m, c < n; x rows ldx apart
+ * (bfloat16 bits), y rows ldy apart, float32 when y_f32 else bfloat16 bits; bias float32
+ * or NULL. kernel: an MB_KERNEL_*. parallel: libgomp's GOMP_parallel, run with `threads`
+ * threads, or NULL for the calling thread alone. Every output's bits depend on its own
+ * row, weight row and bias only. */
+int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *packed,
+                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_f32,
+                   int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
 
 #endif /* MASHBOX_H */

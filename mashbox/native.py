@@ -242,3 +242,58 @@ def longest_prefix(
     )
     _check(status, "longest_prefix")
     return int(slot[0]), int(blocks[0])
+
+
+# bfloat16 linear layers (csrc/linear.c). The pointer-level functions serve
+# mashbox/model/linear.py, whose buffers are torch tensors; bf16_linear is the
+# array-level twin of native_ref.bf16_linear.
+KERNEL_PORTABLE, KERNEL_AVX512BF16 = 1, 2
+
+
+def bf16_kernel() -> int:
+    """The fastest bf16 linear kernel this CPU runs (KERNEL_*); 0 without the extension."""
+    return int(_lib.mb_bf16_kernel()) if _lib is not None else 0
+
+
+def bf16_packed_bytes(n: int, k: int) -> int:
+    """Bytes of a [n, k] weight's packed form; 0 when the kernel cannot take it (odd k)."""
+    return int(_lib.mb_bf16_packed_bytes(n, k))
+
+
+def bf16_pack_ptr(w: int, n: int, k: int, packed: int) -> None:
+    """Pack the [n, k] bfloat16 weight at address w into bf16_packed_bytes(n, k) bytes at packed."""
+    _check(_lib.mb_bf16_pack(_ffi.cast("uint16_t *", w), n, k, _ffi.cast("uint16_t *", packed)), "bf16_pack")
+
+
+def bf16_linear_ptr(x: int, ldx: int, m: int, packed: int, n: int, k: int, bias: int, y: int,
+                    y_f32: bool, ldy: int, kernel: int, parallel: int, threads: int) -> None:
+    """mb_bf16_linear on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
+    _check(_lib.mb_bf16_linear(
+        _ffi.cast("uint16_t *", x), ldx, m, _ffi.cast("uint16_t *", packed), n, k,
+        _ffi.cast("float *", bias), _ffi.cast("void *", y), int(y_f32), ldy, kernel,
+        _ffi.cast("void *", parallel), threads), "bf16_linear")
+
+
+def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                y_f32: bool = False, kernel: int | None = None) -> np.ndarray:
+    """native_ref.bf16_linear through the C kernel (`kernel`, default the fastest here)."""
+    x = _array(x, np.uint16, "x", 2)
+    w = _array(w, np.uint16, "w", 2)
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or k % 2 or m < 1 or n < 1:
+        raise ValueError(f"x [m, k] and w [n, k] need the same even k >= 2, got {x.shape} and {w.shape}")
+    if bias is not None:
+        bias = _array(bias, np.float32, "bias", 1)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if _lib is None:
+        return native_ref.bf16_linear(x, w, bias, y_f32)
+    packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
+    _check(_lib.mb_bf16_pack(_ptr("uint16_t *", w), n, k, _ptr("uint16_t *", packed)), "bf16_pack")
+    y = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16)
+    _check(_lib.mb_bf16_linear(
+        _ptr("uint16_t *", x), k, m, _ptr("uint16_t *", packed), n, k,
+        _ffi.NULL if bias is None else _ptr("float *", bias), _ffi.from_buffer(y), int(y_f32), n,
+        bf16_kernel() if kernel is None else kernel, _ffi.NULL, 1), "bf16_linear")
+    return y

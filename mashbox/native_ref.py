@@ -41,6 +41,16 @@ h = mix64(h + 0x9E3779B97F4A7C15 + id); the hash of block i is h after its last 
 it covers ids[:(i+1)*block] and chains every earlier block. `longest_prefix` takes the
 usable slot with the most leading equal hashes; ties go to the slot with fewer cached
 blocks (its cache is worth least), then to the lowest slot index.
+
+bfloat16 linear layers (`bf16_linear`; csrc/linear.c): y[r, c] = x[r] . w[c] (+ bias[c])
+on bfloat16 bits. Each output is one float32 accumulator, starting at +0, walking the
+input pairs p = 0, 1, ... in order: acc = acc + x[2p+1] * w[2p+1], then
+acc = acc + x[2p] * w[2p] (a product of two bfloat16 is exact in float32; every add
+rounds to nearest even; denormal inputs and sums are zero, as AVX512-BF16's vdpbf16ps
+does; a denormal product is added as it is). Two corners are outside the rule, since
+the hardware handles the even product's underflow and overflow in a wider exponent: the
+sign of a zero that such an underflow gives, and sums that overflow midway. Then acc + bias (float32), and bfloat16 output rounds that once to
+nearest even (a denormal becomes zero, NaN stays NaN). Nothing depends on other rows.
 """
 from __future__ import annotations
 
@@ -269,3 +279,41 @@ def longest_prefix(
         if best[0] < 0 or m > best[1] or (m == best[1] and count < best_count):
             best, best_count = (s, m), count
     return best
+
+
+_F32_EXP = np.uint32(0x7F800000)
+_F32_SIGN = np.uint32(0x80000000)
+
+
+def _flush(a: np.ndarray) -> np.ndarray:
+    """float32 with denormals replaced by zeros of their sign."""
+    u = a.view(np.uint32)
+    return np.where((u & _F32_EXP) == 0, u & _F32_SIGN, u).view(np.float32)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(a: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 a: nearest even, denormals to zero, NaN quiet."""
+    u = _flush(np.ascontiguousarray(a, dtype=np.float32)).view(np.uint32)
+    nan = (u & np.uint32(0x7FFFFFFF)) > _F32_EXP
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                y_f32: bool = False) -> np.ndarray:
+    """x uint16[m, k], w uint16[n, k] (bfloat16 bits, k even), bias float32[n] or None ->
+    float32[m, n] when y_f32, else uint16[m, n] bfloat16 bits."""
+    xf = _flush(bf16_to_f32(x))  # [m, k]
+    wf = _flush(bf16_to_f32(w))  # [n, k]
+    acc = np.zeros((xf.shape[0], wf.shape[0]), dtype=np.float32)  # [m, n]
+    with np.errstate(all="ignore"):
+        for p in range(xf.shape[1] // 2):
+            for i in (2 * p + 1, 2 * p):
+                acc = _flush(acc + np.multiply.outer(xf[:, i], wf[:, i]))
+        if bias is not None:
+            acc = acc + np.asarray(bias, dtype=np.float32)
+    return acc if y_f32 else f32_to_bf16(acc)

@@ -14,18 +14,26 @@ import pytest
 import torch
 from tiny import make_tiny
 
-from mashbox.model import loader
+from mashbox.model import linear, loader
 from mashbox.model.decoder import Batch, Decoder, _padded_queries
 from mashbox.model.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float32]
+# bfloat16 linears run on mashbox's kernel where the CPU has AVX512-BF16, else on oneDNN
+# (with padding rows): both must hold
+KERNELS = [(torch.bfloat16, None), (torch.bfloat16, False), (torch.float32, None)]
+KERNEL_IDS = ["bf16", "bf16-onednn", "f32"]
 
 
-def _decoder(path: str, dtype: torch.dtype) -> Decoder:
+def _decoder(path: str, dtype: torch.dtype, own_kernel=None) -> Decoder:
     weights = loader.load(path, dtype, CPU)
-    decoder = Decoder(weights.config, weights.tensors, dtype, CPU)
+    decoder = Decoder(weights.config, weights.tensors, dtype, CPU, own_kernel=own_kernel)
     assert decoder.batch_invariant, "batch invariance is the CPU default"
+    if own_kernel is False:
+        assert not decoder.own_kernel
+    elif dtype == torch.bfloat16 and linear.bf16_kernel_available() and decoder._packed:
+        assert decoder.own_kernel and decoder._min_rows == 1, "no padding rows on the own kernel"
     return decoder
 
 
@@ -67,10 +75,10 @@ def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) 
         tok = int(alone.argmax())
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "f32"])
-@pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied"])
-def test_tiny_model_schedules_give_identical_logits(tmp_path, variant, dtype):
-    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype)
+@pytest.mark.parametrize("dtype,own_kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied", "qwen2"])
+def test_tiny_model_schedules_give_identical_logits(tmp_path, variant, dtype, own_kernel):
+    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, own_kernel)
     prompt = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_schedules(decoder, prompt, ctx=64, vocab=128)
 
@@ -121,16 +129,18 @@ def test_default_model_random_schedules_give_identical_kv(default_model_path, dt
 @pytest.mark.slow
 @pytest.mark.parametrize("pad", ["linear_rows", "sdpa_queries"])
 def test_default_model_without_padding_logits_change(default_model_path, monkeypatch, pad):
-    """The tests above can fail: in bfloat16, without padding rows to the linears a decode
-    row alone differs from the same row beside another; without padding SDPA's queries the
-    last prompt token alone differs from the whole prefill."""
+    """The tests above can fail: in bfloat16 on oneDNN, without padding rows to the linears
+    a decode row alone differs from the same row beside another; without padding SDPA's
+    queries the last prompt token alone differs from the whole prefill."""
     import mashbox.model.decoder as decoder_mod
 
     if pad == "linear_rows":
         monkeypatch.setattr(decoder_mod, "_MIN_ROWS", {})
     else:
         monkeypatch.setattr(decoder_mod, "_QUERY_MULTIPLE", {})
-    decoder = _decoder(default_model_path, torch.bfloat16)
+    # shown with oneDNN's linears; on mashbox's kernel these prompts do not expose the
+    # SDPA query blocks (the padding stays: SDPA's kernel is the same)
+    decoder = _decoder(default_model_path, torch.bfloat16, own_kernel=False)
     cache = KVCache(decoder.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
     fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
     prompt = torch.randint(0, decoder.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -159,12 +169,12 @@ def test_padded_queries_keep_every_sdpa_query_block_full_enough(group, multiple)
 
 
 def test_packed_bfloat16_linears_give_the_plain_ones_bits(tmp_path, monkeypatch):
-    """bf16 on CPU runs linears on oneDNN-packed weights (for speed): same logits, bit for
-    bit, as F.linear on the plain weights."""
+    """bf16 on a CPU without AVX512-BF16 runs linears on oneDNN-packed weights (for
+    speed): same logits, bit for bit, as F.linear on the plain weights."""
     import mashbox.model.decoder as decoder_mod
 
     folder = str(make_tiny(tmp_path, "qwen2"))  # tied head, q/k/v biases
-    packed = _decoder(folder, torch.bfloat16)
+    packed = _decoder(folder, torch.bfloat16, own_kernel=False)
     if not packed._packed:
         pytest.skip("this torch has no oneDNN linear packing")
     monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)

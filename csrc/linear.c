@@ -1,0 +1,261 @@
+/* bfloat16 linear layers: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+ *
+ * Why it exists: oneDNN's bf16 matmul on a single row reads weights at about 27 GB/s on
+ * this project's CPU and rounds a single row differently from two or more, so decode
+ * paid for padding rows as well. Here every output is one float32 accumulator that
+ * walks k in pairs, in the same order whatever the number of rows, the tile a row
+ * lands in, or the thread that runs it: a row's result cannot depend on its batch.
+ *
+ * The step, per output and pair of inputs, is AVX512-BF16's vdpbf16ps, whose documented
+ * semantics the portable path below repeats exactly:
+ *     acc = acc + x[2p+1] * w[2p+1];  acc = acc + x[2p] * w[2p]
+ * (products of two bfloat16 are exact in float32; each add rounds to nearest even;
+ * denormal inputs and sums are zero). The result, plus bias, is rounded once to
+ * bfloat16 (nearest even) or stored as float32. mashbox/native_ref.py states the same
+ * rule in numpy; the tests check all three agree bit for bit, but for the sign of a
+ * zero from an underflowing product and for sums overflowing midway (the hardware keeps
+ * a wider exponent there).
+ *
+ * Packed weight layout (mb_bf16_pack): tiles of MB_TILE outputs, each tile
+ * [k / 2][MB_TILE][2] bfloat16, so that one tile is one forward stream of
+ * 4 x 64 bytes per pair; outputs past n are zero.
+ *
+ * Threads: work items (a chunk of rows x one tile) are taken from an atomic counter by
+ * every thread of the caller's OpenMP pool, entered through the libgomp function the
+ * caller passes (the pool torch already runs, so no second set of threads competes for
+ * the cores); NULL runs on the calling thread.
+ */
+#include "mashbox.h"
+
+#include <string.h>
+
+#define MB_BLOCK 16 /* outputs per float32 vector */
+#define MB_TILE 64  /* outputs per tile: 4 vectors */
+#define MB_MR 6     /* rows per micro-tile: 6 x 4 accumulators + 4 weights + 1 input */
+#define MB_CHUNK 48 /* rows per work item: their inputs stay in L2 while tiles stream */
+
+typedef void (*mb_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
+                               unsigned flags);
+
+struct mb_job {
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t m, n, k;
+    const uint16_t *packed;
+    const float *bias;
+    void *y;
+    int64_t ldy;
+    int32_t y_f32;
+    int32_t tiles, chunks;
+    int64_t items;
+    int64_t next; /* the next work item: atomically incremented */
+    void (*run)(const struct mb_job *, int32_t m0, int32_t rows, int32_t tile);
+};
+
+static float mb_bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint32_t mb_f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static float mb_flush(float f) { /* denormal -> zero of its sign */
+    uint32_t u = mb_f32_bits(f);
+    return (u & 0x7f800000u) == 0 ? mb_bits_f32(u & 0x80000000u) : f;
+}
+
+static uint16_t mb_round_bf16(float f) { /* nearest even; NaN stays NaN (quiet) */
+    uint32_t u = mb_f32_bits(mb_flush(f));
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+size_t mb_bf16_packed_bytes(int32_t n, int32_t k) {
+    if (n < 1 || k < 2 || k % 2)
+        return 0;
+    size_t tiles = ((size_t)n + MB_TILE - 1) / MB_TILE;
+    return tiles * (size_t)k * MB_TILE * sizeof(uint16_t);
+}
+
+int mb_bf16_pack(const uint16_t *w, int32_t n, int32_t k, uint16_t *packed) {
+    if (n < 1 || k < 2 || k % 2)
+        return MB_EINVAL;
+    int32_t tiles = (n + MB_TILE - 1) / MB_TILE, pairs = k / 2;
+    for (int32_t t = 0; t < tiles; t++) {
+        uint16_t *dst = packed + (size_t)t * pairs * MB_TILE * 2;
+        for (int32_t p = 0; p < pairs; p++)
+            for (int32_t j = 0; j < MB_TILE; j++) {
+                int32_t row = t * MB_TILE + j;
+                uint16_t *d = dst + ((size_t)p * MB_TILE + j) * 2;
+                if (row < n) {
+                    d[0] = w[(size_t)row * k + 2 * p];
+                    d[1] = w[(size_t)row * k + 2 * p + 1];
+                } else {
+                    d[0] = d[1] = 0;
+                }
+            }
+    }
+    return MB_OK;
+}
+
+/* ---- portable path: the rule, one output at a time ---- */
+
+static void mb_run_portable(const struct mb_job *j, int32_t m0, int32_t rows, int32_t t) {
+    int32_t pairs = j->k / 2;
+    const uint16_t *wt = j->packed + (size_t)t * pairs * MB_TILE * 2;
+    for (int32_t r = m0; r < m0 + rows; r++) {
+        const uint16_t *x = j->x + (size_t)r * j->ldx;
+        for (int32_t c = 0; c < MB_TILE && t * MB_TILE + c < j->n; c++) {
+            int32_t col = t * MB_TILE + c;
+            float acc = 0.0f;
+            for (int32_t p = 0; p < pairs; p++) {
+                const uint16_t *w = wt + ((size_t)p * MB_TILE + c) * 2;
+                float odd = mb_flush(mb_bits_f32((uint32_t)x[2 * p + 1] << 16)) *
+                            mb_flush(mb_bits_f32((uint32_t)w[1] << 16));
+                acc = mb_flush(acc + odd);
+                float even = mb_flush(mb_bits_f32((uint32_t)x[2 * p] << 16)) *
+                             mb_flush(mb_bits_f32((uint32_t)w[0] << 16));
+                acc = mb_flush(acc + even);
+            }
+            if (j->bias)
+                acc = acc + j->bias[col];
+            if (j->y_f32)
+                ((float *)j->y)[(size_t)r * j->ldy + col] = acc;
+            else
+                ((uint16_t *)j->y)[(size_t)r * j->ldy + col] = mb_round_bf16(acc);
+        }
+    }
+}
+
+/* ---- AVX512-BF16 path ---- */
+
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define MB_HAVE_AVX512BF16 1
+#include <immintrin.h>
+
+#define MB_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* MR rows x one tile; MR is a constant in each instantiation, so acc stays in registers. */
+static inline __attribute__((always_inline)) MB_TARGET void
+mb_tile_avx512(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
+    int32_t pairs = j->k / 2;
+    const uint16_t *wt = j->packed + (size_t)t * pairs * MB_TILE * 2;
+    __m512 acc[MB_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 4; v++)
+            acc[r][v] = _mm512_setzero_ps();
+    const uint16_t *x = j->x + (size_t)m0 * j->ldx;
+    for (int32_t p = 0; p < pairs; p++) {
+        const uint16_t *w = wt + (size_t)p * MB_TILE * 2;
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+        __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
+        __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + (size_t)r * j->ldx + 2 * p, 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+        }
+    }
+    for (int v = 0; v < 4; v++) {
+        int32_t col = t * MB_TILE + v * MB_BLOCK;
+        if (col >= j->n)
+            break;
+        int32_t lanes = j->n - col < MB_BLOCK ? j->n - col : MB_BLOCK;
+        __mmask16 mask = (__mmask16)((1u << lanes) - 1u);
+        __m512 b = j->bias ? _mm512_maskz_loadu_ps(mask, j->bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+            __m512 out = j->bias ? _mm512_add_ps(acc[r][v], b) : acc[r][v];
+            size_t at = (size_t)(m0 + r) * j->ldy + col;
+            if (j->y_f32)
+                _mm512_mask_storeu_ps((float *)j->y + at, mask, out);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)j->y + at, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(out));
+        }
+    }
+}
+
+static MB_TARGET void mb_run_avx512(const struct mb_job *j, int32_t m0, int32_t rows, int32_t t) {
+    int32_t r = 0;
+    for (; r + MB_MR <= rows; r += MB_MR)
+        mb_tile_avx512(j, m0 + r, t, MB_MR);
+    switch (rows - r) {
+    case 5: mb_tile_avx512(j, m0 + r, t, 5); break;
+    case 4: mb_tile_avx512(j, m0 + r, t, 4); break;
+    case 3: mb_tile_avx512(j, m0 + r, t, 3); break;
+    case 2: mb_tile_avx512(j, m0 + r, t, 2); break;
+    case 1: mb_tile_avx512(j, m0 + r, t, 1); break;
+    default: break;
+    }
+}
+
+static int mb_has_avx512bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+#else
+#define MB_HAVE_AVX512BF16 0
+#endif
+
+int32_t mb_bf16_kernel(void) {
+#if MB_HAVE_AVX512BF16
+    static int cached = -1; /* a CPU feature: the same answer on every call */
+    if (cached < 0)
+        cached = mb_has_avx512bf16() ? MB_KERNEL_AVX512BF16 : MB_KERNEL_PORTABLE;
+    return cached;
+#else
+    return MB_KERNEL_PORTABLE;
+#endif
+}
+
+static void mb_worker(void *data) {
+    struct mb_job *j = (struct mb_job *)data;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (i >= j->items)
+            return;
+        int32_t c = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
+        int32_t m0 = c * MB_CHUNK;
+        int32_t rows = j->m - m0 < MB_CHUNK ? j->m - m0 : MB_CHUNK;
+        j->run(j, m0, rows, t);
+    }
+}
+
+int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *packed,
+                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_f32,
+                   int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
+    if (m < 1 || n < 1 || k < 2 || k % 2 || ldx < k || ldy < n)
+        return MB_EINVAL;
+    struct mb_job j;
+    memset(&j, 0, sizeof j);
+    j.x = x, j.ldx = ldx, j.m = m, j.n = n, j.k = k, j.packed = packed, j.bias = bias;
+    j.y = y, j.ldy = ldy, j.y_f32 = y_f32;
+    if (kernel == MB_KERNEL_PORTABLE)
+        j.run = mb_run_portable;
+#if MB_HAVE_AVX512BF16
+    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        j.run = mb_run_avx512;
+#endif
+    else
+        return MB_EINVAL;
+    j.tiles = (n + MB_TILE - 1) / MB_TILE;
+    j.chunks = (m + MB_CHUNK - 1) / MB_CHUNK;
+    j.items = (int64_t)j.tiles * j.chunks;
+    if (parallel != NULL && threads > 1 && j.items > 1)
+        ((mb_parallel_fn)parallel)(mb_worker, &j, (unsigned)threads, 0);
+    else
+        mb_worker(&j);
+    return MB_OK;
+}

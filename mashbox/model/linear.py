@@ -1,0 +1,127 @@
+"""The forms a decoder's linear weight takes on the CPU, each callable as x [M, in] -> [M, out].
+
+- BF16Linear: mashbox's own bfloat16 kernel (csrc/linear.c, AVX512-BF16). Every output
+  is one float32 accumulator over the inputs in a fixed order, so a row's result never
+  depends on the other rows of its batch: no padding rows, no threshold where the bits
+  change (oneDNN rounds one row differently from two). It reads the weight once per call
+  for up to 6 rows at a time, at memory speed for decode. Runs on torch's own OpenMP
+  threads (libgomp's GOMP_parallel, found in the process), so no second thread pool
+  competes for the cores.
+- Int8Weight / Int4Weight: torch's weight-only quantized kernels (opt-in --weights).
+
+Tensor shapes: weights [out, in]; x [M, in] with unit stride along in; y [M, out].
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from mashbox import native
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
+
+
+def _gomp_parallel() -> int:
+    """Address of GOMP_parallel in the libgomp torch already loaded, or 0 (one thread)."""
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return 0
+    try:
+        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return int(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0)
+    except (OSError, AttributeError):
+        return 0
+
+
+_PARALLEL: Optional[int] = None
+
+
+def bf16_kernel_available() -> bool:
+    """The fast kernel runs on this CPU (AVX512-BF16); the portable one is for tests only."""
+    return native.NATIVE and native.bf16_kernel() == native.KERNEL_AVX512BF16
+
+
+class BF16Linear:
+    """A [out, in] bfloat16 weight (and float32 bias) packed once for mb_bf16_linear."""
+
+    __slots__ = ("n", "k", "packed", "bias", "kernel")
+
+    def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 kernel: Optional[int] = None) -> None:
+        global _PARALLEL
+        if _PARALLEL is None:
+            _PARALLEL = _gomp_parallel()
+            if not _PARALLEL:
+                log.warning("libgomp not found in this process: bf16 linears run on one thread")
+        if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
+            raise ValueError(f"BF16Linear takes a 2-d bfloat16 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
+        self.n, self.k = (int(s) for s in w.shape)
+        nbytes = native.bf16_packed_bytes(self.n, self.k)
+        if nbytes == 0:
+            raise ValueError(f"BF16Linear needs an even input size, got {self.k}")
+        self.packed = torch.empty(nbytes // 2, dtype=torch.int16)  # [tiles, in / 2, 64, 2]
+        w = w.contiguous()
+        native.bf16_pack_ptr(w.data_ptr(), self.n, self.k, self.packed.data_ptr())
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
+        self.kernel = native.bf16_kernel() if kernel is None else kernel
+
+    @staticmethod
+    def supports(w: torch.Tensor) -> bool:
+        return w.dim() == 2 and w.shape[1] % 2 == 0
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
+        if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16).contiguous()
+        m = int(x.shape[0])
+        y = torch.empty(m, self.n, dtype=out_dtype)
+        if m:
+            native.bf16_linear_ptr(
+                x.data_ptr(), x.stride(0), m, self.packed.data_ptr(), self.n, self.k,
+                0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                out_dtype == torch.float32, self.n, self.kernel, _PARALLEL, torch.get_num_threads())
+        return y
+
+
+@dataclass(slots=True)
+class Int8Weight:
+    """Weight-only int8, symmetric per output row: w ~= q * scale."""
+    q: torch.Tensor  # [out, in] int8
+    scale: torch.Tensor  # [out] model dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "Int8Weight":
+        scale = (w.float().abs().amax(dim=1) / 127).clamp_(min=1e-12)  # [out]
+        q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(q, scale.to(w.dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """Weight-only int4, asymmetric per group of INT4_GROUP inputs: w ~= q * d + min, q in
+    [0, 15] (GGUF Q4_1's form), stored as torch's CPU int4 pack; the kernel computes
+    (q - 8) * scale + zero, so zero = min + 8 d."""
+    packed: torch.Tensor
+    scale_zero: torch.Tensor  # [in / group, out, 2] model dtype
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> "Int4Weight":
+        out, inp = w.shape
+        g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)  # [out, groups, group]
+        lo = g.amin(dim=-1)
+        d = ((g.amax(dim=-1) - lo) / 15).clamp_(min=1e-12)  # [out, groups]
+        q = ((g - lo[..., None]) / d[..., None]).round_().clamp_(0, 15).to(torch.int32).view(out, inp)
+        scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
+        return cls(torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)

@@ -1,0 +1,132 @@
+"""bfloat16 linear layers (csrc/linear.c): the C kernels against the reference, and what
+the decoder relies on (a row's bits never depend on the rest of its batch, the tile it
+lands in, or the threads that run it)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from mashbox import native, native_ref
+from mashbox.model import linear
+
+KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
+KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+
+
+def _bf16(a) -> np.ndarray:
+    return native_ref.f32_to_bf16(np.asarray(a, dtype=np.float32))
+
+
+def _same(a: np.ndarray, b: np.ndarray, y_f32: bool) -> bool:
+    """Equal bits, but +0 and -0 are one (the rule leaves an underflow's zero sign open)."""
+    u = a.view(np.uint32 if y_f32 else np.uint16)
+    v = b.view(np.uint32 if y_f32 else np.uint16)
+    sign = np.uint32(0x7FFFFFFF) if y_f32 else np.uint16(0x7FFF)
+    return bool(np.all((u == v) | (((u & sign) == 0) & ((v & sign) == 0))))
+
+
+# finite bfloat16 values from tiny (denormal products) to large, sums kept finite
+_values = st.floats(-(2.0**50), 2.0**50, width=32, allow_subnormal=True) | st.sampled_from([0.0, -0.0, 1e-38, -3e-39])
+
+
+# or raw bits: denormal bfloat16 inputs too (exponent field below 2**50's)
+_bits = st.integers(0, 0xFFFF).filter(lambda b: (b >> 7) & 0xFF < 127 + 50)
+
+
+def _matrix(draw, shape):
+    if draw(st.booleans()):
+        return _bf16(draw(hnp.arrays(np.float32, shape, elements=_values)))
+    return draw(hnp.arrays(np.uint16, shape, elements=_bits))
+
+
+@st.composite
+def _problem(draw):
+    m, n, k = draw(st.integers(1, 14)), draw(st.integers(1, 140)), 2 * draw(st.integers(1, 40))
+    x, w = _matrix(draw, (m, k)), _matrix(draw, (n, k))
+    bias = draw(st.none() | hnp.arrays(np.float32, (n,), elements=st.floats(-1e3, 1e3, width=32)))
+    return x, w, bias, draw(st.booleans())
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+@settings(max_examples=200, deadline=None)
+@given(_problem())
+def test_kernels_match_the_reference(kernel, problem):
+    x, w, bias, y_f32 = problem
+    want = native_ref.bf16_linear(x, w, bias, y_f32)
+    got = native.bf16_linear(x, w, bias, y_f32, kernel=kernel)
+    assert got.dtype == (np.float32 if y_f32 else np.uint16) and got.shape == want.shape
+    assert _same(got, want, y_f32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_the_documented_order(kernel):
+    """x1 w1 before x0 w0, pair after pair, each add rounded: with x = (2**-24, 1, -1,
+    2**-24) and w all ones, 1 + 2**-24 rounds to 1 twice and the sum is 0; in plain
+    index order (or even-first) the last 2**-24 survives."""
+    x = _bf16([[2.0**-24, 1.0, -1.0, 2.0**-24]])
+    w = _bf16([[1.0, 1.0, 1.0, 1.0]])
+    assert native_ref.bf16_linear(x, w, y_f32=True)[0, 0] == 0.0
+    assert native.bf16_linear(x, w, y_f32=True, kernel=kernel)[0, 0] == 0.0
+    assert native.bf16_linear(x[:, [1, 0, 3, 2]], w, y_f32=True, kernel=kernel)[0, 0] == np.float32(2.0**-24)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_rows_do_not_depend_on_their_batch(kernel):
+    """Row r of a batch of m equals the same row computed alone, for m across the kernel's
+    6-row micro-tiles and 48-row work items, with the threads torch runs."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 200, 96  # 4 tiles, the last one partly past n
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    lin = linear.BF16Linear(w, bias, kernel=kernel)
+    x = torch.randn(101, k, generator=gen).bfloat16()
+    alone = torch.cat([lin(x[r:r + 1]) for r in range(101)])
+    for m in (1, 2, 5, 6, 7, 12, 13, 48, 49, 101):
+        for start in (0, 101 - m):
+            assert torch.equal(lin(x[start:start + m]), alone[start:start + m]), (m, start)
+    assert torch.equal(lin(x, torch.float32).bfloat16(), alone)
+
+
+def test_threads_do_not_change_bits():
+    if not linear.bf16_kernel_available():
+        pytest.skip("no AVX512-BF16 here")
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    lin = linear.BF16Linear(w)
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(lin(x))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_close_to_torch_and_strided_inputs():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 128, generator=gen).bfloat16()
+    bias = torch.randn(300, generator=gen).bfloat16()
+    lin = linear.BF16Linear(w, bias)
+    wide = torch.randn(9, 200, generator=gen).bfloat16()
+    x = wide[:, 40:168]  # rows 200 apart: the kernel takes the stride as it is
+    want = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    got = lin(x, torch.float32)
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert torch.equal(lin(x), lin(x.contiguous()))
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="even input size"):
+        linear.BF16Linear(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        linear.BF16Linear(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="even k"):
+        native.bf16_linear(np.zeros((1, 3), np.uint16), np.zeros((2, 3), np.uint16))
+    with pytest.raises(ValueError):
+        native.bf16_linear_ptr(0, 1, 1, 0, 1, 3, 0, 0, False, 1, native.KERNEL_PORTABLE, 0, 1)
