@@ -298,6 +298,19 @@ def _padded_queries(n: int, group: int, multiple: int) -> int:
     return padded
 
 
+@dataclass(slots=True)
+class _DecodeGroup:
+    """One-token rows attending in one SDPA call (batch-invariant mode)."""
+    keys: int  # key width of every row in the group
+    lo: int  # slot range [lo, hi) when compact
+    hi: int
+    gather: Optional[torch.Tensor]  # [rows] slots, when the range is not compact
+    tokens: torch.Tensor  # [rows] token index of each row in the batch
+    index: torch.Tensor  # [rows] each row's place in the call's batch
+    queries: torch.Tensor  # [span, kv_heads, group, padded, head_dim], made once per forward
+    mask: torch.Tensor  # [span, 1, group * padded, keys] additive
+
+
 class _Plan:
     """One forward's attention plan: index tensors and masks shared by every layer.
 
@@ -327,6 +340,7 @@ class _Plan:
         # invariant mode: (t0, n, padded n, slot, keys, additive mask [1, 1, padded n, keys])
         self.rows: list[tuple[int, int, int, int, int, torch.Tensor]] = []
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
+        invariant_decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         qmult = _QUERY_MULTIPLE.get(dtype, 1)
         t0 = 0
         for slot, start, n in zip(batch.row_slots, batch.row_starts, batch.row_lens):
@@ -336,7 +350,9 @@ class _Plan:
             token_slots.extend([slot] * n)
             last.append(t0 + n - 1)
             end = start + n
-            if invariant:
+            if invariant and n == 1:
+                invariant_decodes.append((t0, slot, end))
+            elif invariant:
                 keys = key_width(end)
                 padded = _padded_queries(n, self.group, qmult)
                 # padding queries repeat the last one's position (their output is dropped)
@@ -368,8 +384,47 @@ class _Plan:
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self.decodes = decodes
         self.batched = None
+        self.groups: list[_DecodeGroup] = []
+        if invariant_decodes:
+            self._group_decodes(invariant_decodes, window, _padded_queries(1, self.group, qmult), device)
         if not invariant:
             self._plan_decodes(decodes, window, device)
+
+    def _group_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int], padded: int,
+                       device: torch.device) -> None:
+        """Invariant mode's one-token rows, one SDPA call per key width: the call's batch
+        runs each slot's queries through the same blocks as a call of its own, so a row
+        gets the same bits alone or in company (tests/model/test_decoder_invariance.py).
+        The K/V are a view of the slot range when it is compact (slots in it without a
+        row attend to key 0 and are dropped), else gathered."""
+        by_keys: dict[int, list[tuple[int, int, int]]] = {}
+        for t, slot, end in decodes:
+            by_keys.setdefault(key_width(end), []).append((t, slot, end))
+        KV, G, D = self.kv_heads, self.group, self.head_dim
+        for keys, rows in sorted(by_keys.items()):
+            rows.sort(key=lambda r: r[1])
+            slots = [r[1] for r in rows]
+            lo, hi = slots[0], slots[-1] + 1
+            compact = hi - lo <= 2 * len(rows)
+            span = hi - lo if compact else len(rows)
+            index = [s - lo for s in slots] if compact else list(range(len(rows)))
+            kpos = torch.arange(keys).unsqueeze(0)  # [1, keys]
+            qpos = torch.tensor([end - 1 for _, _, end in rows]).unsqueeze(1)  # [rows, 1]
+            real = kpos <= qpos  # [rows, keys]
+            if window is not None:
+                real &= kpos > qpos - window
+            allowed = (kpos == 0).expand(span, keys).clone()  # a spare slot in the range: key 0 only
+            allowed[index] = real  # [span, keys]
+            # [span, 1, group * padded, keys]: every query of a slot at its row's position
+            mask = self._additive(allowed.to(device)).view(span, 1, 1, keys).expand(
+                span, 1, G * padded, keys).contiguous()
+            self.groups.append(_DecodeGroup(
+                keys=keys, lo=lo, hi=hi,
+                gather=None if compact else torch.tensor(slots, device=device),
+                tokens=torch.tensor([r[0] for r in rows], device=device),  # [rows]
+                index=torch.tensor(index, device=device),  # [rows] each row's place in the call
+                queries=torch.zeros(span, KV, G, padded, D, dtype=self.dtype, device=device),
+                mask=mask))
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """Bool mask -> 0 / -inf in the model dtype, made once per forward: SDPA on CPU
@@ -420,6 +475,17 @@ class _Plan:
         KV, G, D = self.kv_heads, self.group, self.head_dim
         # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
         # math kernel.
+        for g in self.groups:
+            span, padded = g.queries.shape[0], g.queries.shape[3]
+            # padding queries stay zero, as _padded_queries' F.pad makes them
+            g.queries[g.index, :, :, 0] = q[g.tokens].view(-1, KV, G, D)
+            if g.gather is None:
+                kb, vb = k_cache[g.lo:g.hi, :, :g.keys], v_cache[g.lo:g.hi, :, :g.keys]
+            else:
+                kb, vb = k_cache[g.gather, :, :g.keys], v_cache[g.gather, :, :g.keys]
+            o = F.scaled_dot_product_attention(g.queries.view(span, KV, G * padded, D), kb, vb,
+                                               attn_mask=g.mask)  # [span, kv_heads, group * padded, head_dim]
+            out[g.tokens] = o.view(span, KV, G, padded, D)[g.index, :, :, 0].reshape(-1, KV * G * D)
         for t0, n, padded, slot, keys, mask in self.rows:
             # the group's query heads share their K/V head: [1, kv_heads, group * padded, head_dim]
             qr = q[t0:t0 + n].view(n, KV, G, D).permute(1, 2, 0, 3)  # [kv_heads, group, n, head_dim]

@@ -232,3 +232,26 @@ def test_int4_requantizes_the_default_models_q4_1_weights_almost_exactly(default
         out[fmt] = d.forward(Batch.build([(0, 0, prompt)]), KVCache(d.config, 1, 64, torch.bfloat16, CPU))[0]
     rel = ((out["int4"] - out["dense"]).norm() / out["dense"].norm()).item()
     assert rel < 0.02, rel  # measured 0.007
+
+
+@pytest.mark.parametrize("dtype,own_kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("variant", ["llama", "mistral_window"])
+def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_kernel):
+    """One-token rows attend in one SDPA call per key width, over a view of their slot
+    range or gathered slots: a row's logits equal its own alone whatever shares the call
+    (a far slot: gathered; a gap in the range: a spare slot; a longer slot: another
+    key width, another call)."""
+    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, own_kernel)
+    cache = KVCache(decoder.config, slots=10, ctx=600, dtype=dtype, device=CPU)
+    fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    lens = {0: 30, 2: 30, 3: 200, 9: 30}
+    prompts = {s: torch.randint(0, 128, (n,), generator=gen).tolist() for s, n in lens.items()}
+    for s in (0, 2, 3, 9):
+        fwd([(s, 0, prompts[s])])
+    # slot 0's decode alone, then the same step again from copies of its history
+    alone = fwd([(0, 30, [7])])[0]
+    for company in ([(9, 30, [5])], [(2, 30, [5])], [(3, 200, [5]), (2, 30, [6])], [(3, 200, [5]), (9, 30, [4])]):
+        cache.k[:, 1], cache.v[:, 1] = cache.k[:, 0], cache.v[:, 0]
+        got = fwd([(1, 30, [7])] + company)[0]
+        assert torch.equal(alone, got), company
