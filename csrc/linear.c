@@ -27,7 +27,10 @@
  */
 #include "mashbox.h"
 
+#include <math.h>
 #include <string.h>
+
+#define MB_NORM_LANES 8 /* partial sums of squares in mb_bf16_rmsnorm */
 
 #define MB_BLOCK 16 /* outputs per float32 vector */
 #define MB_TILE 64  /* outputs per tile: 4 vectors */
@@ -45,7 +48,7 @@ struct mb_job {
     const float *bias;
     void *y;
     int64_t ldy;
-    int32_t y_f32;
+    int32_t y_mode;
     int32_t tiles, chunks;
     int64_t items;
     int64_t next; /* the next work item: atomically incremented */
@@ -70,11 +73,13 @@ static float mb_flush(float f) { /* denormal -> zero of its sign */
 }
 
 static uint16_t mb_round_bf16(float f) { /* nearest even; NaN stays NaN (quiet) */
-    uint32_t u = mb_f32_bits(mb_flush(f));
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    uint32_t u = mb_f32_bits(f);
+    u = (u & 0x7f800000u) == 0 ? u & 0x80000000u : u; /* denormal -> zero */
+    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
+    return (uint16_t)(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+static float mb_bf16_f32(uint16_t b) { return mb_bits_f32((uint32_t)b << 16); }
 
 size_t mb_bf16_packed_bytes(int32_t n, int32_t k) {
     if (n < 1 || k < 2 || k % 2)
@@ -125,10 +130,13 @@ static void mb_run_portable(const struct mb_job *j, int32_t m0, int32_t rows, in
             }
             if (j->bias)
                 acc = acc + j->bias[col];
-            if (j->y_f32)
-                ((float *)j->y)[(size_t)r * j->ldy + col] = acc;
+            size_t at = (size_t)r * j->ldy + col;
+            if (j->y_mode == MB_Y_F32)
+                ((float *)j->y)[at] = acc;
+            else if (j->y_mode == MB_Y_ADD_BF16)
+                ((uint16_t *)j->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)j->y)[at]) + acc);
             else
-                ((uint16_t *)j->y)[(size_t)r * j->ldy + col] = mb_round_bf16(acc);
+                ((uint16_t *)j->y)[at] = mb_round_bf16(acc);
         }
     }
 }
@@ -177,11 +185,16 @@ mb_tile_avx512(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
         for (int r = 0; r < MR; r++) {
             __m512 out = j->bias ? _mm512_add_ps(acc[r][v], b) : acc[r][v];
             size_t at = (size_t)(m0 + r) * j->ldy + col;
-            if (j->y_f32)
+            if (j->y_mode == MB_Y_F32) {
                 _mm512_mask_storeu_ps((float *)j->y + at, mask, out);
-            else
-                _mm256_mask_storeu_epi16((uint16_t *)j->y + at, mask,
-                                         (__m256i)_mm512_cvtneps_pbh(out));
+                continue;
+            }
+            if (j->y_mode == MB_Y_ADD_BF16) { /* out = y + out: y's bfloat16 widened exactly */
+                __m256i old = _mm256_maskz_loadu_epi16(mask, (uint16_t *)j->y + at);
+                __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
+                out = _mm512_add_ps(widened, out);
+            }
+            _mm256_mask_storeu_epi16((uint16_t *)j->y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
         }
     }
 }
@@ -234,14 +247,15 @@ static void mb_worker(void *data) {
 }
 
 int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *packed,
-                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_f32,
+                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_mode,
                    int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
-    if (m < 1 || n < 1 || k < 2 || k % 2 || ldx < k || ldy < n)
+    if (m < 1 || n < 1 || k < 2 || k % 2 || ldx < k || ldy < n || y_mode < MB_Y_BF16 ||
+        y_mode > MB_Y_ADD_BF16)
         return MB_EINVAL;
     struct mb_job j;
     memset(&j, 0, sizeof j);
     j.x = x, j.ldx = ldx, j.m = m, j.n = n, j.k = k, j.packed = packed, j.bias = bias;
-    j.y = y, j.ldy = ldy, j.y_f32 = y_f32;
+    j.y = y, j.ldy = ldy, j.y_mode = y_mode;
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_run_portable;
 #if MB_HAVE_AVX512BF16
@@ -257,5 +271,25 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
         ((mb_parallel_fn)parallel)(mb_worker, &j, (unsigned)threads, 0);
     else
         mb_worker(&j);
+    return MB_OK;
+}
+
+int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
+                    float eps, uint16_t *out, int64_t ldo) {
+    if (m < 0 || k < 1 || ldx < k || ldo < k)
+        return MB_EINVAL;
+    for (int32_t r = 0; r < m; r++) {
+        const uint16_t *xr = x + (size_t)r * ldx;
+        uint16_t *o = out + (size_t)r * ldo;
+        double lane[MB_NORM_LANES] = {0};
+        for (int32_t i = 0; i < k; i++) { /* lane i % 8, in order: vectorises, fixed order */
+            double v = (double)mb_bf16_f32(xr[i]);
+            lane[i % MB_NORM_LANES] += v * v;
+        }
+        double ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+        float rstd = (float)(1.0 / sqrt(ss / (double)k + (double)eps));
+        for (int32_t i = 0; i < k; i++)
+            o[i] = mb_round_bf16((mb_bf16_f32(xr[i]) * rstd) * mb_bf16_f32(w[i]));
+    }
     return MB_OK;
 }

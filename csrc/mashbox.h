@@ -86,13 +86,25 @@ size_t mb_bf16_packed_bytes(int32_t n, int32_t k);
 /* Pack w (bfloat16 bits, [n, k] row-major) into packed (mb_bf16_packed_bytes bytes). */
 int mb_bf16_pack(const uint16_t *w, int32_t n, int32_t k, uint16_t *packed);
 
+/* What mb_bf16_linear writes to y: */
+#define MB_Y_BF16 0     /* bfloat16(acc + bias) */
+#define MB_Y_F32 1      /* float32 acc + bias */
+#define MB_Y_ADD_BF16 2 /* bfloat16(y + (acc + bias)): a residual add, rounded once */
+
 /* y[r, c] = x[r, :k] . w[c, :k] (+ bias[c]) for r < m, c < n; x rows ldx apart
- * (bfloat16 bits), y rows ldy apart, float32 when y_f32 else bfloat16 bits; bias float32
- * or NULL. kernel: an MB_KERNEL_*. parallel: libgomp's GOMP_parallel, run with `threads`
- * threads, or NULL for the calling thread alone. Every output's bits depend on its own
- * row, weight row and bias only. */
+ * (bfloat16 bits), y rows ldy apart as y_mode says; bias float32 or NULL. kernel: an
+ * MB_KERNEL_*. parallel: libgomp's GOMP_parallel, run with `threads` threads, or NULL
+ * for the calling thread alone. Every output's bits depend on its own row, weight row,
+ * bias (and y) only. */
 int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *packed,
-                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_f32,
+                   int32_t n, int32_t k, const float *bias, void *y, int32_t y_mode,
                    int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
+
+/* RMS norm of m rows of k bfloat16 (rows ldx / ldo apart) times w[k], into out:
+ * ss = sum of x^2 in float64 over 8 lanes (element i into lane i % 8, in order; lanes
+ * summed as ((0+1)+(2+3))+((4+5)+(6+7))), rstd = float(1 / sqrt(ss / k + eps)),
+ * out = bfloat16((x * rstd) * w) in float32. */
+int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
+                    float eps, uint16_t *out, int64_t ldo);
 
 #endif /* MASHBOX_H */

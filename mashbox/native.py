@@ -248,6 +248,7 @@ def longest_prefix(
 # mashbox/model/linear.py, whose buffers are torch tensors; bf16_linear is the
 # array-level twin of native_ref.bf16_linear.
 KERNEL_PORTABLE, KERNEL_AVX512BF16 = 1, 2
+Y_BF16, Y_F32, Y_ADD_BF16 = 0, 1, 2  # what bf16_linear_ptr writes to y (csrc/mashbox.h)
 
 
 def bf16_kernel() -> int:
@@ -266,16 +267,37 @@ def bf16_pack_ptr(w: int, n: int, k: int, packed: int) -> None:
 
 
 def bf16_linear_ptr(x: int, ldx: int, m: int, packed: int, n: int, k: int, bias: int, y: int,
-                    y_f32: bool, ldy: int, kernel: int, parallel: int, threads: int) -> None:
+                    y_mode: int, ldy: int, kernel: int, parallel: int, threads: int) -> None:
     """mb_bf16_linear on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
     _check(_lib.mb_bf16_linear(
         _ffi.cast("uint16_t *", x), ldx, m, _ffi.cast("uint16_t *", packed), n, k,
-        _ffi.cast("float *", bias), _ffi.cast("void *", y), int(y_f32), ldy, kernel,
+        _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy, kernel,
         _ffi.cast("void *", parallel), threads), "bf16_linear")
 
 
+def bf16_rmsnorm_ptr(x: int, ldx: int, m: int, k: int, w: int, eps: float, out: int, ldo: int) -> None:
+    """mb_bf16_rmsnorm on addresses; see csrc/mashbox.h."""
+    _check(_lib.mb_bf16_rmsnorm(_ffi.cast("uint16_t *", x), ldx, m, k, _ffi.cast("uint16_t *", w),
+                                eps, _ffi.cast("uint16_t *", out), ldo), "bf16_rmsnorm")
+
+
+def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """native_ref.bf16_rmsnorm through C."""
+    x = _array(x, np.uint16, "x", 2)
+    w = _array(w, np.uint16, "w", 1)
+    if w.shape != (x.shape[1],) or x.shape[1] < 1:
+        raise ValueError(f"w must have shape ({x.shape[1]},) and k >= 1, got {w.shape}")
+    if _lib is None:
+        return native_ref.bf16_rmsnorm(x, w, eps)
+    out = np.empty_like(x)
+    _check(_lib.mb_bf16_rmsnorm(_ptr("uint16_t *", x), x.shape[1], x.shape[0], x.shape[1],
+                                _ptr("uint16_t *", w), eps, _ptr("uint16_t *", out), x.shape[1]), "bf16_rmsnorm")
+    return out
+
+
 def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
-                y_f32: bool = False, kernel: int | None = None) -> np.ndarray:
+                y_f32: bool = False, add_to: np.ndarray | None = None,
+                kernel: int | None = None) -> np.ndarray:
     """native_ref.bf16_linear through the C kernel (`kernel`, default the fastest here)."""
     x = _array(x, np.uint16, "x", 2)
     w = _array(w, np.uint16, "w", 2)
@@ -287,13 +309,22 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
         bias = _array(bias, np.float32, "bias", 1)
         if bias.shape != (n,):
             raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if add_to is not None:
+        if y_f32:
+            raise ValueError("add_to takes bfloat16 output (y_f32=False)")
+        add_to = _array(add_to, np.uint16, "add_to", 2)
+        if add_to.shape != (m, n):
+            raise ValueError(f"add_to must have shape ({m}, {n}), got {add_to.shape}")
     if _lib is None:
-        return native_ref.bf16_linear(x, w, bias, y_f32)
+        return native_ref.bf16_linear(x, w, bias, y_f32, add_to)
     packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
     _check(_lib.mb_bf16_pack(_ptr("uint16_t *", w), n, k, _ptr("uint16_t *", packed)), "bf16_pack")
-    y = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16)
+    if add_to is not None:
+        y, mode = add_to.copy(), Y_ADD_BF16
+    else:
+        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
     _check(_lib.mb_bf16_linear(
         _ptr("uint16_t *", x), k, m, _ptr("uint16_t *", packed), n, k,
-        _ffi.NULL if bias is None else _ptr("float *", bias), _ffi.from_buffer(y), int(y_f32), n,
+        _ffi.NULL if bias is None else _ptr("float *", bias), _ffi.from_buffer(y), mode, n,
         bf16_kernel() if kernel is None else kernel, _ffi.NULL, 1), "bf16_linear")
     return y

@@ -304,9 +304,10 @@ def f32_to_bf16(a: np.ndarray) -> np.ndarray:
 
 
 def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
-                y_f32: bool = False) -> np.ndarray:
+                y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """x uint16[m, k], w uint16[n, k] (bfloat16 bits, k even), bias float32[n] or None ->
-    float32[m, n] when y_f32, else uint16[m, n] bfloat16 bits."""
+    float32[m, n] when y_f32, else uint16[m, n] bfloat16 bits: of add_to + (x . w + bias)
+    rounded once when add_to (uint16[m, n]) is given."""
     xf = _flush(bf16_to_f32(x))  # [m, k]
     wf = _flush(bf16_to_f32(w))  # [n, k]
     acc = np.zeros((xf.shape[0], wf.shape[0]), dtype=np.float32)  # [m, n]
@@ -316,4 +317,25 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
                 acc = _flush(acc + np.multiply.outer(xf[:, i], wf[:, i]))
         if bias is not None:
             acc = acc + np.asarray(bias, dtype=np.float32)
+        if add_to is not None:
+            acc = bf16_to_f32(add_to) + acc
     return acc if y_f32 else f32_to_bf16(acc)
+
+
+NORM_LANES = 8
+
+
+def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x uint16[m, k], w uint16[k] bfloat16 bits -> uint16[m, k]: ss = sum of x**2 in
+    float64, element i into lane i % 8 in order, lanes summed ((0+1)+(2+3))+((4+5)+(6+7));
+    rstd = float32(1 / sqrt(ss / k + eps)); out = bfloat16((x * rstd) * w) in float32."""
+    xf = bf16_to_f32(x)  # [m, k]
+    m, k = xf.shape
+    lanes = np.zeros((m, NORM_LANES), dtype=np.float64)
+    xd = xf.astype(np.float64)
+    for i in range(k):
+        lanes[:, i % NORM_LANES] += xd[:, i] * xd[:, i]
+    ss = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5]) + (lanes[:, 6] + lanes[:, 7]))
+    with np.errstate(all="ignore"):
+        rstd = (1.0 / np.sqrt(ss / k + np.float64(np.float32(eps)))).astype(np.float32)  # [m]
+        return f32_to_bf16((xf * rstd[:, None]) * bf16_to_f32(w)[None, :])

@@ -129,4 +129,53 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="even k"):
         native.bf16_linear(np.zeros((1, 3), np.uint16), np.zeros((2, 3), np.uint16))
     with pytest.raises(ValueError):
-        native.bf16_linear_ptr(0, 1, 1, 0, 1, 3, 0, 0, False, 1, native.KERNEL_PORTABLE, 0, 1)
+        native.bf16_linear_ptr(0, 1, 1, 0, 1, 3, 0, 0, native.Y_BF16, 1, native.KERNEL_PORTABLE, 0, 1)
+    with pytest.raises(ValueError):
+        native.bf16_linear_ptr(0, 4, 1, 0, 1, 4, 0, 0, 3, 1, native.KERNEL_PORTABLE, 0, 1)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+@settings(max_examples=100, deadline=None)
+@given(_problem(), st.data())
+def test_residual_add_matches_the_reference(kernel, problem, data):
+    x, w, bias, _ = problem
+    add_to = _matrix(data.draw, (x.shape[0], w.shape[0]))
+    want = native_ref.bf16_linear(x, w, bias, add_to=add_to)
+    got = native.bf16_linear(x, w, bias, add_to=add_to, kernel=kernel)
+    assert _same(got, want, False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 80), st.data(), st.sampled_from([1e-5, 1e-6, 0.0]))
+def test_rmsnorm_matches_the_reference(m, k, data, eps):
+    x = _matrix(data.draw, (m, k))
+    w = _matrix(data.draw, (1, k))[0]
+    want = native_ref.bf16_rmsnorm(x, w, eps)
+    got = native.bf16_rmsnorm(x, w, eps)
+    nan = np.isnan(native_ref.bf16_to_f32(want))  # all-zero rows with eps 0: 0 * inf
+    assert np.array_equal(np.isnan(native_ref.bf16_to_f32(got)), nan)
+    assert np.array_equal(got[~nan], want[~nan])
+
+
+def test_rmsnorm_is_close_to_torch():
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 576, generator=gen) * 4).bfloat16()
+    w = torch.randn(576, generator=gen).bfloat16()
+    got = linear.rms_norm(x, w, 1e-5).float()
+    want = torch.nn.functional.rms_norm(x.float(), (576,), w.float(), 1e-5)
+    assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+    assert torch.equal(linear.rms_norm(x[7:8], w, 1e-5), linear.rms_norm(x, w, 1e-5)[7:8])
+
+
+def test_add_into_updates_the_residual_in_place():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(64, 32, generator=gen).bfloat16()
+    lin = linear.BF16Linear(w)
+    x = torch.randn(3, 32, generator=gen).bfloat16()
+    res = torch.randn(3, 64, generator=gen).bfloat16()
+    want = (res.float() + x.float() @ w.float().T).bfloat16()
+    got = res.clone()
+    lin.add_into(x, got)
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        lin.add_into(x, torch.zeros(3, 64))

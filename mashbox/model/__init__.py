@@ -7,6 +7,7 @@ fused_layout.py  q|k|v and gate|up loaded side by side, so fusing them is free
 model_config.py  ModelConfig (frozen): one config for Llama, Mistral, Qwen2, Qwen3
 rope.py          the rotary position table
 decoder.py       Decoder.forward(Batch, KVCache): the varlen forward pass
+linear.py        the forms a linear weight takes on the CPU (csrc's bf16 kernel, int8/int4)
 kv_cache.py      KVCache: [layers, slots, kv_heads, ctx, head_dim] K and V, allocated once
 device.py        device_and_dtype: the one place that picks cuda/cpu and the dtype
 errors.py        ModelError

@@ -48,6 +48,7 @@ from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: deco
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
 from mashbox.model.kv_cache import KVCache, key_width
+from mashbox.model import linear
 from mashbox.model.linear import INT4_GROUP, BF16Linear, Int4Weight, Int8Weight, bf16_kernel_available
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
@@ -205,6 +206,21 @@ class Decoder:
             return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [None], "")
         return F.linear(x, w, b)
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMS norm over the last dim of x [M, hidden]: csrc's on the own kernel's path."""
+        if self.own_kernel:
+            return linear.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def _residual(self, x: torch.Tensor, inp: torch.Tensor, w: _Weight,
+                  b: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x + inp @ w.T (+ b); x [M, hidden] is updated in place on the own kernel
+        (one rounding, no new tensor), so it must be the forward's own."""
+        if isinstance(w, BF16Linear):
+            w.add_into(inp, x)
+            return x
+        return x + self._linear(inp, w, b)
+
     def _rope_table(self, length: int) -> RopeTable:
         if self._rope is None or self._rope.length < length:
             self._rope = RopeTable(self.config, length, self.dtype, self.device)
@@ -232,7 +248,7 @@ class Decoder:
         x = F.embedding(ids, self.embed)  # [Tp, hidden]
         attn = torch.zeros(Tp, c.q_size, dtype=self.dtype, device=self.device)  # [Tp, heads * head_dim]
         for li, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (c.hidden_size,), layer.input_norm, eps)
+            h = self._norm(x, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [Tp, (heads + 2 kv_heads) * head_dim]
             qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
             if layer.qk_norm is not None:
@@ -246,15 +262,15 @@ class Decoder:
             k_cache[plan.token_slots, :, batch.positions] = k
             v_cache[plan.token_slots, :, batch.positions] = v
             plan.attend(q, k_cache, v_cache, attn)
-            x = x + self._linear(attn, layer.o, layer.o_bias)
-            h = F.rms_norm(x, (c.hidden_size,), layer.post_norm, eps)
+            x = self._residual(x, attn, layer.o, layer.o_bias)
+            h = self._norm(x, layer.post_norm, eps)
             gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)  # [Tp, intermediate] each
-            x = x + self._linear(F.silu(gate) * up, layer.down)
+            x = self._residual(x, F.silu(gate) * up, layer.down)
         last = x[plan.last_tokens]  # [rows, hidden]
         rows = last.shape[0]
         if self.batch_invariant and rows < self._min_rows:
             last = F.pad(last, (0, 0, 0, self._min_rows - rows))
-        last = F.rms_norm(last, (c.hidden_size,), self.norm, eps)
+        last = self._norm(last, self.norm, eps)
         if isinstance(self.lm_head, BF16Linear):
             return self.lm_head(last, torch.float32)[:rows]  # [rows, vocab], one rounding fewer
         return self._linear(last, self.lm_head)[:rows].float()  # [rows, vocab]
