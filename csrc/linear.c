@@ -31,6 +31,7 @@
 #include <string.h>
 
 #define MB_NORM_LANES 8 /* partial sums of squares in mb_bf16_rmsnorm */
+#define MB_MAX_HEAD_DIM 1024
 
 #define MB_BLOCK 16 /* outputs per float32 vector */
 #define MB_TILE 64  /* outputs per tile: 4 vectors */
@@ -290,6 +291,43 @@ int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const 
         float rstd = (float)(1.0 / sqrt(ss / (double)k + (double)eps));
         for (int32_t i = 0; i < k; i++)
             o[i] = mb_round_bf16((mb_bf16_f32(xr[i]) * rstd) * mb_bf16_f32(w[i]));
+    }
+    return MB_OK;
+}
+
+int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_t kv_heads,
+                    int32_t head_dim, const uint16_t *cos, const uint16_t *sin,
+                    const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
+                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows) {
+    int32_t half = head_dim / 2;
+    if (t < 0 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || head_dim > MB_MAX_HEAD_DIM ||
+        ldq < (int64_t)(heads + 2 * kv_heads) * head_dim || n_slots < 1 || capacity < 1)
+        return MB_EINVAL;
+    for (int32_t i = 0; i < t; i++)
+        if (positions[i] < 0 || positions[i] >= capacity || positions[i] >= table_rows ||
+            slots[i] < 0 || slots[i] >= n_slots)
+            return MB_EINVAL;
+    size_t head_stride = (size_t)capacity * head_dim, slot_stride = (size_t)kv_heads * head_stride;
+    for (int32_t i = 0; i < t; i++) {
+        uint16_t *row = qkv + (size_t)i * ldq;
+        const uint16_t *c = cos + (size_t)positions[i] * head_dim;
+        const uint16_t *s = sin + (size_t)positions[i] * head_dim;
+        size_t at = (size_t)slots[i] * slot_stride + (size_t)positions[i] * head_dim;
+        for (int32_t h = 0; h < heads + kv_heads; h++) {
+            uint16_t *x = row + (size_t)h * head_dim;
+            uint16_t *dst = h < heads ? x : k_cache + at + (size_t)(h - heads) * head_stride;
+            float rot[MB_MAX_HEAD_DIM];
+            for (int32_t d = 0; d < head_dim; d++) {
+                float other = mb_bf16_f32(x[d < half ? d + half : d - half]);
+                rot[d] = mb_bf16_f32(x[d]) * mb_bf16_f32(c[d]) + other * mb_bf16_f32(s[d]);
+            }
+            for (int32_t d = 0; d < head_dim; d++)
+                dst[d] = mb_round_bf16(rot[d]);
+        }
+        const uint16_t *v = row + (size_t)(heads + kv_heads) * head_dim;
+        for (int32_t h = 0; h < kv_heads; h++)
+            memcpy(v_cache + at + (size_t)h * head_stride, v + (size_t)h * head_dim,
+                   (size_t)head_dim * sizeof(uint16_t));
     }
     return MB_OK;
 }

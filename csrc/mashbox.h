@@ -107,4 +107,17 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
                     float eps, uint16_t *out, int64_t ldo);
 
+/* Rotary embedding and the K/V cache write of t tokens (bfloat16 bits). Row i of qkv
+ * (ldq apart) is [heads + 2 * kv_heads, head_dim]: q heads, k heads, v heads. For each
+ * q and k head, x' = x * cos[p] + swap(x) * sin[p] in float32 (two products, one add,
+ * rounded once to bfloat16), p = positions[i], swap exchanging the two halves of
+ * head_dim, sin holding rotate-half's sign (cos, sin: tables [table_rows, head_dim]).
+ * q' goes back into qkv; k' and v go to the caches [n_slots, kv_heads, capacity,
+ * head_dim] at [slots[i], h, p]. MB_EINVAL for a position (past the cache or the tables) or slot out of range, an odd
+ * head_dim or one over 1024. */
+int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_t kv_heads,
+                    int32_t head_dim, const uint16_t *cos, const uint16_t *sin,
+                    const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
+                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows);
+
 #endif /* MASHBOX_H */

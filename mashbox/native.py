@@ -281,6 +281,36 @@ def bf16_rmsnorm_ptr(x: int, ldx: int, m: int, k: int, w: int, eps: float, out: 
                                 eps, _ffi.cast("uint16_t *", out), ldo), "bf16_rmsnorm")
 
 
+def bf16_rope_kv_ptr(qkv: int, ldq: int, t: int, heads: int, kv_heads: int, head_dim: int,
+                     cos: int, sin: int, positions: int, slots: int, k_cache: int, v_cache: int,
+                     n_slots: int, capacity: int, table_rows: int) -> None:
+    """mb_bf16_rope_kv on addresses; see csrc/mashbox.h."""
+    u16 = "uint16_t *"
+    _check(_lib.mb_bf16_rope_kv(
+        _ffi.cast(u16, qkv), ldq, t, heads, kv_heads, head_dim, _ffi.cast(u16, cos), _ffi.cast(u16, sin),
+        _ffi.cast("int64_t *", positions), _ffi.cast("int64_t *", slots), _ffi.cast(u16, k_cache),
+        _ffi.cast(u16, v_cache), n_slots, capacity, table_rows), "bf16_rope_kv")
+
+
+def bf16_rope_kv(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
+                 positions: np.ndarray, slots: np.ndarray, k_cache: np.ndarray,
+                 v_cache: np.ndarray) -> None:
+    """native_ref.bf16_rope_kv through C (arrays as there, C-contiguous; in place)."""
+    arrays = {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache}
+    for name, a in arrays.items():
+        _array(a, np.uint16, name, a.ndim, writable=name in ("qkv", "k_cache", "v_cache"))
+    positions = _array(positions, np.int64, "positions", 1)
+    slots = _array(slots, np.int64, "slots", 1)
+    if _lib is None:
+        native_ref.bf16_rope_kv(qkv, heads, kv_heads, cos, sin, positions, slots, k_cache, v_cache)
+        return
+    u16 = "uint16_t *"
+    _check(_lib.mb_bf16_rope_kv(
+        _ptr(u16, qkv), qkv.shape[1], qkv.shape[0], heads, kv_heads, cos.shape[1], _ptr(u16, cos),
+        _ptr(u16, sin), _ptr("int64_t *", positions), _ptr("int64_t *", slots), _ptr(u16, k_cache),
+        _ptr(u16, v_cache), k_cache.shape[0], k_cache.shape[2], cos.shape[0]), "bf16_rope_kv")
+
+
 def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """native_ref.bf16_rmsnorm through C."""
     x = _array(x, np.uint16, "x", 2)

@@ -339,3 +339,23 @@ def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     with np.errstate(all="ignore"):
         rstd = (1.0 / np.sqrt(ss / k + np.float64(np.float32(eps)))).astype(np.float32)  # [m]
         return f32_to_bf16((xf * rstd[:, None]) * bf16_to_f32(w)[None, :])
+
+
+def bf16_rope_kv(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
+                 positions: np.ndarray, slots: np.ndarray, k_cache: np.ndarray,
+                 v_cache: np.ndarray) -> None:
+    """In place, as mb_bf16_rope_kv: qkv uint16[t, (heads + 2 kv_heads) * head_dim]; cos,
+    sin uint16[capacity, head_dim]; caches uint16[n_slots, kv_heads, capacity, head_dim]."""
+    t = qkv.shape[0]
+    d = cos.shape[1]
+    half = d // 2
+    x = qkv.reshape(t, heads + 2 * kv_heads, d)
+    qk = bf16_to_f32(x[:, : heads + kv_heads])  # [t, heads + kv_heads, head_dim]
+    swapped = np.concatenate([qk[..., half:], qk[..., :half]], axis=-1)
+    c = bf16_to_f32(cos[positions])[:, None, :]  # [t, 1, head_dim]
+    s = bf16_to_f32(sin[positions])[:, None, :]
+    with np.errstate(all="ignore"):
+        rot = f32_to_bf16(qk * c + swapped * s)
+    x[:, :heads] = rot[:, :heads]
+    k_cache[slots, :, positions] = rot[:, heads:]
+    v_cache[slots, :, positions] = x[:, heads + kv_heads:]

@@ -179,3 +179,60 @@ def test_add_into_updates_the_residual_in_place():
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         lin.add_into(x, torch.zeros(3, 64))
+
+
+@st.composite
+def _rope_problem(draw):
+    heads, kv_heads = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    d, t, n_slots, capacity = 2 * draw(st.integers(1, 8)), draw(st.integers(0, 6)), draw(st.integers(1, 3)), draw(st.integers(6, 12))
+    qkv = _matrix(draw, (t, (heads + 2 * kv_heads) * d))
+    cos, sin = _matrix(draw, (capacity, d)), _matrix(draw, (capacity, d))
+    positions = np.array(draw(st.lists(st.integers(0, capacity - 1), min_size=t, max_size=t, unique=True)), dtype=np.int64)
+    slots = np.array(draw(st.lists(st.integers(0, n_slots - 1), min_size=t, max_size=t)), dtype=np.int64)
+    cache = [_matrix(draw, (n_slots * kv_heads * capacity, d)).reshape(n_slots, kv_heads, capacity, d) for _ in range(2)]
+    return qkv, heads, kv_heads, cos, sin, positions, slots, cache
+
+
+@settings(max_examples=200, deadline=None)
+@given(_rope_problem())
+def test_rope_kv_matches_the_reference(problem):
+    qkv, heads, kv_heads, cos, sin, positions, slots, (k_cache, v_cache) = problem
+    got = [qkv.copy(), k_cache.copy(), v_cache.copy()]
+    want = [qkv.copy(), k_cache.copy(), v_cache.copy()]
+    native.bf16_rope_kv(got[0], heads, kv_heads, cos, sin, positions, slots, got[1], got[2])
+    native_ref.bf16_rope_kv(want[0], heads, kv_heads, cos, sin, positions, slots, want[1], want[2])
+    for a, b in zip(got, want):
+        assert _same(a, b, False)
+
+
+def test_rope_kv_is_the_decoders_rope_and_refuses_bad_positions():
+    """Against RopeTable.apply (torch, bfloat16 ops) within a rounding, and out-of-range
+    positions or slots are refused before anything is written."""
+    from mashbox.model.model_config import ModelConfig
+    from mashbox.model.rope import RopeTable
+
+    config = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    table = RopeTable(config, 64, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(3, 4 * 32, generator=gen).bfloat16()
+    k_cache, v_cache = torch.zeros(2, 1, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 1, 64, 32, dtype=torch.bfloat16)
+    positions, slots = torch.tensor([5, 6, 40]), torch.tensor([0, 0, 1])
+    want = table.apply(qkv.view(3, 4, 32)[:, :3], table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1))
+    v = qkv.view(3, 4, 32)[:, 3].clone()
+    got = qkv.clone()
+    linear.rope_kv(got, 3, 2, 1, table.cos, table.sin, positions, slots, k_cache, v_cache)
+    assert (got.view(3, 4, 32)[:, :2].float() - want[:, :2].float()).abs().max() < 0.02
+    assert (k_cache[slots, 0, positions].float() - want[:, 2].float()).abs().max() < 0.02
+    assert torch.equal(v_cache[slots, 0, positions], v)
+    before = k_cache.clone()
+    for bad_pos, bad_slot in (([5, 64], [0, 0]), ([5, -1], [0, 0]), ([5, 6], [0, 2])):
+        with pytest.raises(ValueError):
+            linear.rope_kv(qkv.clone(), 2, 2, 1, table.cos, table.sin, torch.tensor(bad_pos),
+                           torch.tensor(bad_slot), k_cache, v_cache)
+    assert torch.equal(k_cache, before)
+    with pytest.raises(ValueError):  # a table shorter than the cache: its end is the limit
+        linear.rope_kv(qkv.clone(), 1, 2, 1, table.cos[:10], table.sin[:10], torch.tensor([10]),
+                       torch.tensor([0]), k_cache, v_cache)

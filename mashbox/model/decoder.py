@@ -241,8 +241,9 @@ class Decoder:
             ids = F.pad(ids, (0, Tp - T))
             positions = F.pad(positions, (0, Tp - T))
         rope = self._rope_table(cache.ctx)
-        cos = rope.cos[positions].unsqueeze(1)  # [Tp, 1, head_dim]
-        sin = rope.sin[positions].unsqueeze(1)  # [Tp, 1, head_dim]
+        if not self.own_kernel:  # the own kernel's rope_kv reads the table rows itself
+            cos = rope.cos[positions].unsqueeze(1)  # [Tp, 1, head_dim]
+            sin = rope.sin[positions].unsqueeze(1)  # [Tp, 1, head_dim]
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = F.embedding(ids, self.embed)  # [Tp, hidden]
@@ -253,14 +254,19 @@ class Decoder:
             qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
-            qk = rope.apply(qk, cos, sin)  # [Tp, heads + kv_heads, head_dim]
-            q = qk[:T, :H]  # [T, heads, head_dim]
-            k = qk[:T, H:]  # [T, kv_heads, head_dim]
-            v = qkv[:T, c.q_size + c.kv_size:].view(T, KV, D)
             k_cache = cache.k[li]  # [slots, kv_heads, capacity, head_dim]
             v_cache = cache.v[li]
-            k_cache[plan.token_slots, :, batch.positions] = k
-            v_cache[plan.token_slots, :, batch.positions] = v
+            if self.own_kernel:  # rope in float32, rounded once; K/V written by the same call
+                if layer.qk_norm is not None:
+                    qkv[:, : c.q_size + c.kv_size] = qk.reshape(Tp, -1)
+                linear.rope_kv(qkv, T, H, KV, rope.cos, rope.sin, batch.positions, plan.token_slots,
+                               k_cache, v_cache)
+                q = qkv[:T, : c.q_size].view(T, H, D)  # [T, heads, head_dim]
+            else:
+                qk = rope.apply(qk, cos, sin)  # [Tp, heads + kv_heads, head_dim]
+                q = qk[:T, :H]  # [T, heads, head_dim]
+                k_cache[plan.token_slots, :, batch.positions] = qk[:T, H:]
+                v_cache[plan.token_slots, :, batch.positions] = qkv[:T, c.q_size + c.kv_size:].view(T, KV, D)
             plan.attend(q, k_cache, v_cache, attn)
             x = self._residual(x, attn, layer.o, layer.o_bias)
             h = self._norm(x, layer.post_norm, eps)

@@ -145,3 +145,19 @@ class Int4Weight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
+
+
+def rope_kv(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, cos: torch.Tensor,
+            sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Rotary embedding of q and k in qkv [T', (heads + 2 kv_heads) * head_dim] (its first
+    `tokens` rows), q in place, k and v written into the caches [slots, kv_heads, capacity,
+    head_dim] at (slots[i], :, positions[i]): csrc's mb_bf16_rope_kv, one call for what
+    takes seven torch ops (rope.apply and two index writes)."""
+    if qkv.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()
+                                   and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_kv needs unit-stride qkv rows and contiguous tables and caches")
+    native.bf16_rope_kv_ptr(
+        qkv.data_ptr(), qkv.stride(0), tokens, heads, kv_heads, int(cos.shape[1]), cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.shape[0]), int(k_cache.shape[2]), int(cos.shape[0]))
