@@ -326,6 +326,7 @@ class _DecodeGroup:
     keys: int  # key width of every row in the group
     lo: int  # slot range [lo, hi) when compact
     hi: int
+    dense: bool  # rows i = tokens i = slots lo + i
     gather: Optional[torch.Tensor]  # [rows] slots, when the range is not compact
     tokens: torch.Tensor  # [rows] token index of each row in the batch
     index: torch.Tensor  # [rows] each row's place in the call's batch
@@ -440,10 +441,14 @@ class _Plan:
             # [span, 1, group * padded, keys]: every query of a slot at its row's position
             mask = self._additive(allowed.to(device)).view(span, 1, 1, keys).expand(
                 span, 1, G * padded, keys).contiguous()
+            tokens = [r[0] for r in rows]
+            # the common case: the step's tokens 0..rows-1 fill slots lo..hi in order, so
+            # queries and outputs move by views instead of index ops
+            dense = index == list(range(len(rows))) and span == len(rows) and tokens == index
             self.groups.append(_DecodeGroup(
-                keys=keys, lo=lo, hi=hi,
+                keys=keys, lo=lo, hi=hi, dense=dense,
                 gather=None if compact else torch.tensor(slots, device=device),
-                tokens=torch.tensor([r[0] for r in rows], device=device),  # [rows]
+                tokens=torch.tensor(tokens, device=device),  # [rows]
                 index=torch.tensor(index, device=device),  # [rows] each row's place in the call
                 queries=torch.zeros(span, KV, G, padded, D, dtype=self.dtype, device=device),
                 mask=mask))
@@ -500,14 +505,20 @@ class _Plan:
         for g in self.groups:
             span, padded = g.queries.shape[0], g.queries.shape[3]
             # padding queries stay zero, as _padded_queries' F.pad makes them
-            g.queries[g.index, :, :, 0] = q[g.tokens].view(-1, KV, G, D)
+            if g.dense:
+                g.queries[:, :, :, 0] = q[:span].view(span, KV, G, D)
+            else:
+                g.queries[g.index, :, :, 0] = q[g.tokens].view(-1, KV, G, D)
             if g.gather is None:
                 kb, vb = k_cache[g.lo:g.hi, :, :g.keys], v_cache[g.lo:g.hi, :, :g.keys]
             else:
                 kb, vb = k_cache[g.gather, :, :g.keys], v_cache[g.gather, :, :g.keys]
             o = F.scaled_dot_product_attention(g.queries.view(span, KV, G * padded, D), kb, vb,
                                                attn_mask=g.mask)  # [span, kv_heads, group * padded, head_dim]
-            out[g.tokens] = o.view(span, KV, G, padded, D)[g.index, :, :, 0].reshape(-1, KV * G * D)
+            if g.dense:
+                out[:span].view(span, KV, G, D).copy_(o.view(span, KV, G, padded, D)[:, :, :, 0])
+            else:
+                out[g.tokens] = o.view(span, KV, G, padded, D)[g.index, :, :, 0].reshape(-1, KV * G * D)
         for t0, n, padded, slot, keys, mask in self.rows:
             # the group's query heads share their K/V head: [1, kv_heads, group * padded, head_dim]
             qr = q[t0:t0 + n].view(n, KV, G, D).permute(1, 2, 0, 3)  # [kv_heads, group, n, head_dim]
