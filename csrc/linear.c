@@ -20,7 +20,7 @@
  * [k / 2][MB_TILE][2] bfloat16, so that one tile is one forward stream of
  * 4 x 64 bytes per pair; outputs past n are zero.
  *
- * Threads: work items (a chunk of rows x one tile) are taken from an atomic counter by
+ * Threads: work items (a chunk of rows x one tile) are taken in runs (mb_worker) by
  * every thread of the caller's OpenMP pool, entered through the libgomp function the
  * caller passes (the pool torch already runs, so no second set of threads competes for
  * the cores); NULL runs on the calling thread.
@@ -52,7 +52,8 @@ struct mb_job {
     int32_t y_mode;
     int32_t tiles, chunks;
     int64_t items;
-    int64_t next; /* the next work item: atomically incremented */
+    int64_t next; /* the next work item: atomically advanced */
+    int64_t threads;
     void (*run)(const struct mb_job *, int32_t m0, int32_t rows, int32_t tile);
 };
 
@@ -234,16 +235,28 @@ int32_t mb_bf16_kernel(void) {
 #endif
 }
 
+/* Guided handout: each take is a contiguous run of remaining / (2 * threads) items, so a
+ * thread streams long runs of neighbouring tiles (one memory stream for the hardware
+ * prefetcher) and the runs shrink toward the end, so a thread the OS delays holds up
+ * little. Measured on this project's CPU, the default model's 121 decode linears: one
+ * item at a time 51 GB/s, guided 60 GB/s, against a 63 GB/s read stream. */
 static void mb_worker(void *data) {
     struct mb_job *j = (struct mb_job *)data;
     for (;;) {
-        int64_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-        if (i >= j->items)
-            return;
-        int32_t c = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
-        int32_t m0 = c * MB_CHUNK;
-        int32_t rows = j->m - m0 < MB_CHUNK ? j->m - m0 : MB_CHUNK;
-        j->run(j, m0, rows, t);
+        int64_t first = __atomic_load_n(&j->next, __ATOMIC_RELAXED), take;
+        do {
+            if (first >= j->items)
+                return;
+            take = (j->items - first) / (2 * j->threads);
+            take = take < 1 ? 1 : take;
+        } while (!__atomic_compare_exchange_n(&j->next, &first, first + take, 0, __ATOMIC_RELAXED,
+                                              __ATOMIC_RELAXED));
+        for (int64_t i = first; i < first + take; i++) {
+            int32_t c = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
+            int32_t m0 = c * MB_CHUNK;
+            int32_t rows = j->m - m0 < MB_CHUNK ? j->m - m0 : MB_CHUNK;
+            j->run(j, m0, rows, t);
+        }
     }
 }
 
@@ -268,7 +281,8 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
     j.tiles = (n + MB_TILE - 1) / MB_TILE;
     j.chunks = (m + MB_CHUNK - 1) / MB_CHUNK;
     j.items = (int64_t)j.tiles * j.chunks;
-    if (parallel != NULL && threads > 1 && j.items > 1)
+    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
+    if (j.threads > 1)
         ((mb_parallel_fn)parallel)(mb_worker, &j, (unsigned)threads, 0);
     else
         mb_worker(&j);
