@@ -43,6 +43,7 @@ ffibuilder.set_source(
     include_dirs=[_path("")],
     depends=[_path("mashbox.h")],
     extra_compile_args=FLAGS,
+    libraries=[] if sys.platform == "win32" else ["m"],  # sqrt in linear.c
 )
 
 if __name__ == "__main__":

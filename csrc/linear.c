@@ -12,9 +12,9 @@
  * (products of two bfloat16 are exact in float32; each add rounds to nearest even;
  * denormal inputs and sums are zero). The result, plus bias, is rounded once to
  * bfloat16 (nearest even) or stored as float32. mashbox/native_ref.py states the same
- * rule in numpy; the tests check all three agree bit for bit, but for the sign of a
- * zero from an underflowing product and for sums overflowing midway (the hardware keeps
- * a wider exponent there).
+ * rule in numpy; the tests check all three agree bit for bit where every product stays
+ * in float32's normal range (the hardware handles underflowing and overflowing products
+ * in its own way) and up to the sign of a zero.
  *
  * Packed weight layout (mb_bf16_pack): tiles of MB_TILE outputs, each tile
  * [k / 2][MB_TILE][2] bfloat16, so that one tile is one forward stream of
@@ -32,6 +32,10 @@
 
 #define MB_NORM_LANES 8 /* partial sums of squares in mb_bf16_rmsnorm */
 #define MB_MAX_HEAD_DIM 1024
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MB_ATOMICS 1 /* __atomic builtins: the work handout across threads */
+#endif
 
 #define MB_BLOCK 16 /* outputs per float32 vector */
 #define MB_TILE 64  /* outputs per tile: 4 vectors */
@@ -243,7 +247,9 @@ int32_t mb_bf16_kernel(void) {
 static void mb_worker(void *data) {
     struct mb_job *j = (struct mb_job *)data;
     for (;;) {
-        int64_t first = __atomic_load_n(&j->next, __ATOMIC_RELAXED), take;
+        int64_t first, take;
+#ifdef MB_ATOMICS
+        first = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
         do {
             if (first >= j->items)
                 return;
@@ -251,6 +257,11 @@ static void mb_worker(void *data) {
             take = take < 1 ? 1 : take;
         } while (!__atomic_compare_exchange_n(&j->next, &first, first + take, 0, __ATOMIC_RELAXED,
                                               __ATOMIC_RELAXED));
+#else /* one thread only (mb_bf16_linear) */
+        if (j->next >= j->items)
+            return;
+        first = j->next, take = j->items - first, j->next = j->items;
+#endif
         for (int64_t i = first; i < first + take; i++) {
             int32_t c = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
             int32_t m0 = c * MB_CHUNK;
@@ -281,7 +292,11 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
     j.tiles = (n + MB_TILE - 1) / MB_TILE;
     j.chunks = (m + MB_CHUNK - 1) / MB_CHUNK;
     j.items = (int64_t)j.tiles * j.chunks;
+#ifdef MB_ATOMICS
     j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
+#else
+    j.threads = 1; /* no atomics on this compiler: the calling thread alone */
+#endif
     if (j.threads > 1)
         ((mb_parallel_fn)parallel)(mb_worker, &j, (unsigned)threads, 0);
     else

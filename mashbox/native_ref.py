@@ -47,9 +47,10 @@ on bfloat16 bits. Each output is one float32 accumulator, starting at +0, walkin
 input pairs p = 0, 1, ... in order: acc = acc + x[2p+1] * w[2p+1], then
 acc = acc + x[2p] * w[2p] (a product of two bfloat16 is exact in float32; every add
 rounds to nearest even; denormal inputs and sums are zero, as AVX512-BF16's vdpbf16ps
-does; a denormal product is added as it is). Two corners are outside the rule, since
-the hardware handles the even product's underflow and overflow in a wider exponent: the
-sign of a zero that such an underflow gives, and sums that overflow midway. Then acc + bias (float32), and bfloat16 output rounds that once to
+does). Outside the rule, since the hardware treats them in its own way (a wider
+exponent for the even product): products that leave float32's normal range (underflow
+or overflow), and the sign of a zero sum. Weights and activations of real models are
+far from both. Then acc + bias (float32), and bfloat16 output rounds that once to
 nearest even (a denormal becomes zero, NaN stays NaN). Nothing depends on other rows.
 """
 from __future__ import annotations

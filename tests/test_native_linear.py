@@ -28,12 +28,16 @@ def _same(a: np.ndarray, b: np.ndarray, y_f32: bool) -> bool:
     return bool(np.all((u == v) | (((u & sign) == 0) & ((v & sign) == 0))))
 
 
-# finite bfloat16 values from tiny (denormal products) to large, sums kept finite
-_values = st.floats(-(2.0**50), 2.0**50, width=32, allow_subnormal=True) | st.sampled_from([0.0, -0.0, 1e-38, -3e-39])
+# finite bfloat16 values, sums kept finite; tiny ones (1e-38, and denormals that round
+# to zero) only where the other side is 1 or 0
+_values = st.floats(-(2.0**50), 2.0**50, width=32, allow_subnormal=True).filter(
+    lambda v: v == 0 or abs(v) >= 2.0**-60) | st.sampled_from([0.0, -0.0])
 
 
-# or raw bits: denormal bfloat16 inputs too (exponent field below 2**50's)
-_bits = st.integers(0, 0xFFFF).filter(lambda b: (b >> 7) & 0xFF < 127 + 50)
+# or raw bits: zeros and denormal bfloat16 inputs too (read as zero), else magnitudes in
+# [2**-60, 2**50], so that no product leaves float32's normal range (the rule's limits)
+_bits = st.builds(lambda sign, exp, mantissa: (sign << 15) | (exp << 7) | mantissa,
+                  st.integers(0, 1), st.just(0) | st.integers(127 - 60, 127 + 49), st.integers(0, 127))
 
 
 def _matrix(draw, shape):
@@ -51,7 +55,7 @@ def _problem(draw):
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_problem())
 def test_kernels_match_the_reference(kernel, problem):
     x, w, bias, y_f32 = problem
@@ -135,7 +139,7 @@ def test_bad_shapes_are_refused():
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(_problem(), st.data())
 def test_residual_add_matches_the_reference(kernel, problem, data):
     x, w, bias, _ = problem
@@ -193,7 +197,7 @@ def _rope_problem(draw):
     return qkv, heads, kv_heads, cos, sin, positions, slots, cache
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(_rope_problem())
 def test_rope_kv_matches_the_reference(problem):
     qkv, heads, kv_heads, cos, sin, positions, slots, (k_cache, v_cache) = problem
