@@ -47,8 +47,8 @@ def _matrix(draw, shape):
 
 
 @st.composite
-def _problem(draw):
-    m, n, k = draw(st.integers(1, 14)), draw(st.integers(1, 140)), 2 * draw(st.integers(1, 40))
+def _problem(draw, max_m=14, max_n=140, max_pairs=40):
+    m, n, k = draw(st.integers(1, max_m)), draw(st.integers(1, max_n)), 2 * draw(st.integers(1, max_pairs))
     x, w = _matrix(draw, (m, k)), _matrix(draw, (n, k))
     bias = draw(st.none() | hnp.arrays(np.float32, (n,), elements=st.floats(-1e3, 1e3, width=32)))
     return x, w, bias, draw(st.booleans())
@@ -140,7 +140,7 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
 @settings(max_examples=60, deadline=None)
-@given(_problem(), st.data())
+@given(_problem(max_m=7, max_n=70, max_pairs=24), st.data())
 def test_residual_add_matches_the_reference(kernel, problem, data):
     x, w, bias, _ = problem
     add_to = _matrix(data.draw, (x.shape[0], w.shape[0]))

@@ -15,7 +15,10 @@ Rules:
   empties it, so unfused parts are freed as the fused ones are built.
 - On CPU, linear weights are packed once (_pack_weights): bfloat16 for mashbox's own
   kernel where the CPU has AVX512-BF16 (model/linear.py), else for oneDNN;
-  weights="int8" / "int4" opts into weight-only quantized linears (bf16).
+  weights="int8" / "int4" opts into weight-only quantized linears (bf16). On the own
+  kernel's path the RMS norms, rope with the K/V cache write, and the residual adds run
+  in csrc too (one call each instead of several torch ops); float32 keeps torch's ops,
+  which the transformers parity tests compare.
 - GQA never materialises repeated K/V: a row's q is viewed as [kv_heads, group * n,
   head_dim] against the slot's [kv_heads, L, head_dim] keys (batch_invariant), or prefill
   uses SDPA's enable_gqa.
@@ -26,7 +29,10 @@ Rules:
   Three rules make it so: every row, prefill chunk or decode, attends through one masked
   SDPA call over its slot's keys [0, kv_cache.key_width(end)): 128, or whole blocks of
   512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
-  small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise).
+  small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise;
+  the own kernel needs none: its rows never meet). One-token rows of the same key width
+  share one SDPA call (_DecodeGroup): the call's batch runs each slot's queries through
+  the blocks a call of its own would.
   Cost, bf16, 1 thread, against the same code reading keys in blocks of 64 (which is not
   invariant): nothing up to 128 keys; at 300 keys about +0.7 ms per decode row (512 keys
   read; batch 8: 34.7 -> 40.4 ms per step). A sliding-window model reads keys from 0
@@ -155,9 +161,11 @@ class Decoder:
         self._packed = _packs_linears(self.device, dtype)
         # bfloat16 dense linears on mashbox's kernel (model/linear.py) where the CPU runs
         # it: batch invariant for any rows, so no padding rows (_min_rows 1)
-        self.own_kernel = (self._packed and dtype == torch.bfloat16 and weights == "dense"
+        # (with int8 / int4 weights only the output head is dense; the int kernels keep
+        # their padding rows)
+        self.own_kernel = (self._packed and dtype == torch.bfloat16
                            and bf16_kernel_available() and own_kernel is not False)
-        if self.own_kernel:
+        if self.own_kernel and weights == "dense":
             self._min_rows = 1
         if self._packed:
             self._pack_weights(weights)
