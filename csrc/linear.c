@@ -18,7 +18,7 @@
  *
  * Packed weight layout (mb_bf16_pack): tiles of MB_TILE outputs, each tile
  * [k / 2][MB_TILE][2] bfloat16, so that one tile is one forward stream of
- * 4 x 64 bytes per pair; outputs past n are zero.
+ * 3 x 64 bytes per pair; outputs past n are zero.
  *
  * Threads: work items (a chunk of rows x one tile) are taken in runs (mb_worker) by
  * every thread of the caller's OpenMP pool, entered through the libgomp function the
@@ -38,8 +38,10 @@
 #endif
 
 #define MB_BLOCK 16 /* outputs per float32 vector */
-#define MB_TILE 64  /* outputs per tile: 4 vectors */
-#define MB_MR 6     /* rows per micro-tile: 6 x 4 accumulators + 4 weights + 1 input */
+#define MB_VECS 3   /* float32 vectors per tile */
+#define MB_TILE (MB_VECS * MB_BLOCK) /* outputs per tile: 48 */
+#define MB_MR 8     /* rows per micro-tile: 8 x 3 accumulators + 3 weights + 1 input, so a
+                     * decode step of 8 rows reads each tile once */
 #define MB_CHUNK 48 /* rows per work item: their inputs stay in L2 while tiles stream */
 
 typedef void (*mb_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
@@ -160,9 +162,9 @@ static inline __attribute__((always_inline)) MB_TARGET void
 mb_tile_avx512(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
     int32_t pairs = j->k / 2;
     const uint16_t *wt = j->packed + (size_t)t * pairs * MB_TILE * 2;
-    __m512 acc[MB_MR][4];
+    __m512 acc[MB_MR][MB_VECS];
     for (int r = 0; r < MR; r++)
-        for (int v = 0; v < 4; v++)
+        for (int v = 0; v < MB_VECS; v++)
             acc[r][v] = _mm512_setzero_ps();
     const uint16_t *x = j->x + (size_t)m0 * j->ldx;
     for (int32_t p = 0; p < pairs; p++) {
@@ -170,7 +172,6 @@ mb_tile_avx512(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
         __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
         __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
-        __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
         for (int r = 0; r < MR; r++) {
             int32_t pair;
             memcpy(&pair, x + (size_t)r * j->ldx + 2 * p, 4);
@@ -178,10 +179,9 @@ mb_tile_avx512(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
             acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
         }
     }
-    for (int v = 0; v < 4; v++) {
+    for (int v = 0; v < MB_VECS; v++) {
         int32_t col = t * MB_TILE + v * MB_BLOCK;
         if (col >= j->n)
             break;
@@ -210,6 +210,8 @@ static MB_TARGET void mb_run_avx512(const struct mb_job *j, int32_t m0, int32_t 
     for (; r + MB_MR <= rows; r += MB_MR)
         mb_tile_avx512(j, m0 + r, t, MB_MR);
     switch (rows - r) {
+    case 7: mb_tile_avx512(j, m0 + r, t, 7); break;
+    case 6: mb_tile_avx512(j, m0 + r, t, 6); break;
     case 5: mb_tile_avx512(j, m0 + r, t, 5); break;
     case 4: mb_tile_avx512(j, m0 + r, t, 4); break;
     case 3: mb_tile_avx512(j, m0 + r, t, 3); break;
