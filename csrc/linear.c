@@ -24,6 +24,11 @@
  * every thread of the caller's OpenMP pool, entered through the libgomp function the
  * caller passes (the pool torch already runs, so no second set of threads competes for
  * the cores); NULL runs on the calling thread.
+ *
+ * The file also holds what the CPU decoder calls between its linear layers on bfloat16
+ * rows, with the same rounding helpers: RMS norm (mb_bf16_rmsnorm) and rope with the
+ * K/V cache write (mb_bf16_rope_kv). One call each instead of several torch ops is most
+ * of a decode step's non-memory time saved.
  */
 #include "mashbox.h"
 
