@@ -311,6 +311,26 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
     return MB_OK;
 }
 
+int mb_bf16_gather_rows(const uint16_t *packed, int32_t n, int32_t k, const int64_t *ids,
+                        int32_t count, uint16_t *out) {
+    if (n < 1 || k < 2 || k % 2 || count < 0)
+        return MB_EINVAL;
+    for (int32_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n)
+            return MB_EINVAL;
+    int32_t pairs = k / 2;
+    for (int32_t i = 0; i < count; i++) {
+        int32_t t = (int32_t)(ids[i] / MB_TILE), lane = (int32_t)(ids[i] % MB_TILE);
+        const uint16_t *src = packed + ((size_t)t * pairs * MB_TILE + lane) * 2;
+        uint16_t *dst = out + (size_t)i * k;
+        for (int32_t p = 0; p < pairs; p++) { /* one row's pairs lie MB_TILE pairs apart */
+            dst[2 * p] = src[(size_t)p * MB_TILE * 2];
+            dst[2 * p + 1] = src[(size_t)p * MB_TILE * 2 + 1];
+        }
+    }
+    return MB_OK;
+}
+
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
                     float eps, uint16_t *out, int64_t ldo) {
     if (m < 0 || k < 1 || ldx < k || ldo < k)

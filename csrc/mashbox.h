@@ -86,6 +86,12 @@ size_t mb_bf16_packed_bytes(int32_t n, int32_t k);
 /* Pack w (bfloat16 bits, [n, k] row-major) into packed (mb_bf16_packed_bytes bytes). */
 int mb_bf16_pack(const uint16_t *w, int32_t n, int32_t k, uint16_t *packed);
 
+/* Rows ids[0 .. count) of the weight packed by mb_bf16_pack, into out [count, k]: a tied
+ * embedding reads its rows from the output head's packed copy instead of keeping its
+ * own. MB_EINVAL for an id outside [0, n). */
+int mb_bf16_gather_rows(const uint16_t *packed, int32_t n, int32_t k, const int64_t *ids,
+                        int32_t count, uint16_t *out);
+
 /* What mb_bf16_linear writes to y: */
 #define MB_Y_BF16 0     /* bfloat16(acc + bias) */
 #define MB_Y_F32 1      /* float32 acc + bias */

@@ -275,6 +275,32 @@ def bf16_linear_ptr(x: int, ldx: int, m: int, packed: int, n: int, k: int, bias:
         _ffi.cast("void *", parallel), threads), "bf16_linear")
 
 
+def bf16_gather_rows_ptr(packed: int, n: int, k: int, ids: int, count: int, out: int) -> None:
+    """mb_bf16_gather_rows on addresses; see csrc/mashbox.h."""
+    _check(_lib.mb_bf16_gather_rows(_ffi.cast("uint16_t *", packed), n, k, _ffi.cast("int64_t *", ids),
+                                    count, _ffi.cast("uint16_t *", out)), "bf16_gather_rows")
+
+
+def bf16_gather_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """w[ids] (uint16[n, k] bfloat16 bits, k even), read from w's packed form by C: the
+    array-level check of mb_bf16_gather_rows against plain indexing."""
+    w = _array(w, np.uint16, "w", 2)
+    ids = _array(ids, np.int64, "ids", 1)
+    n, k = w.shape
+    if k % 2 or k < 2:
+        raise ValueError(f"w needs an even k >= 2, got {w.shape}")
+    if _lib is None:
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise ValueError("bf16_gather_rows: a length, shape or offset is out of range")
+        return w[ids]
+    packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
+    _check(_lib.mb_bf16_pack(_ptr("uint16_t *", w), n, k, _ptr("uint16_t *", packed)), "bf16_pack")
+    out = np.empty((len(ids), k), dtype=np.uint16)
+    _check(_lib.mb_bf16_gather_rows(_ptr("uint16_t *", packed), n, k, _ptr("int64_t *", ids), len(ids),
+                                    _ptr("uint16_t *", out)), "bf16_gather_rows")
+    return out
+
+
 def bf16_rmsnorm_ptr(x: int, ldx: int, m: int, k: int, w: int, eps: float, out: int, ldo: int) -> None:
     """mb_bf16_rmsnorm on addresses; see csrc/mashbox.h."""
     _check(_lib.mb_bf16_rmsnorm(_ffi.cast("uint16_t *", x), ldx, m, k, _ffi.cast("uint16_t *", w),

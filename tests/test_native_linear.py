@@ -240,3 +240,14 @@ def test_rope_kv_is_the_decoders_rope_and_refuses_bad_positions():
     with pytest.raises(ValueError):  # a table shorter than the cache: its end is the limit
         linear.rope_kv(qkv.clone(), 1, 2, 1, table.cos[:10], table.sin[:10], torch.tensor([10]),
                        torch.tensor([0]), k_cache, v_cache)
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 130), st.integers(1, 20), st.data())
+def test_gather_rows_reads_the_packed_rows(n, pairs, data):
+    w = _matrix(data.draw, (n, 2 * pairs))
+    ids = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=12)), dtype=np.int64)
+    assert np.array_equal(native.bf16_gather_rows(w, ids), w[ids])
+    with pytest.raises(ValueError):
+        native.bf16_gather_rows(w, np.array([n], dtype=np.int64))

@@ -81,6 +81,15 @@ class BF16Linear:
         self._run(x, y, native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16)
         return y
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [T] (int64) as [T, in] bfloat16: a tied embedding's lookup
+        from the packed output head, so the plain copy need not be kept."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.k, dtype=torch.bfloat16)
+        native.bf16_gather_rows_ptr(self.packed.data_ptr(), self.n, self.k, ids.data_ptr(),
+                                    int(ids.shape[0]), out.data_ptr())
+        return out
+
     def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
         if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):

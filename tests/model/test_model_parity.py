@@ -128,6 +128,15 @@ def test_tied_embedding_is_held_once_unless_the_head_is_packed(tiny_dir, monkeyp
     packed = Decoder(weights.config, weights.tensors, torch.float32, CPU)
     # on CPU the head is packed for oneDNN: a copy, the embedding stays plain for its gather
     assert packed._packed and packed.lm_head is not packed.embed
+    # bfloat16 on the own kernel: the embedding reads its rows from the packed head, and
+    # the plain copy is gone
+    weights = loader.load(folder, torch.bfloat16, CPU)
+    own = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU)
+    if own.own_kernel:
+        assert own.embed is None
+        ids = torch.tensor([0, 5, 127, 5])
+        plain = loader.load(folder, torch.bfloat16, CPU).tensors["model.embed_tokens.weight"]
+        assert torch.equal(own._embed(ids), plain[ids])
     monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)
     weights = loader.load(folder, torch.float32, CPU)
     decoder = Decoder(weights.config, weights.tensors, torch.float32, CPU)
@@ -153,7 +162,7 @@ def test_bfloat16_runs_close_to_float32(tiny_dir):
     outs = []
     for dtype in (torch.float32, torch.bfloat16):
         weights, decoder = _load(folder, dtype)
-        assert decoder.embed.dtype == dtype
+        assert decoder.embed is None or decoder.embed.dtype == dtype
         cache = KVCache(weights.config, 2, 64, dtype, CPU)
         assert cache.k.dtype == dtype
         outs.append(decoder.forward(Batch.build([(1, 0, ids)]), cache))
