@@ -8,9 +8,11 @@ once (the tied embedding as the output head), so
 
     bound tokens/s (batch 1) = copy bandwidth / weight bytes read per step
 
-where copy bandwidth counts bytes read + bytes written. The last line is the result:
+where copy bandwidth counts bytes read + bytes written. The `decode:` line is the result:
 
     decode: b1 <tok/s> (<x>% of bound <tok/s>) | b4 <tok/s> | b8 <tok/s> (<r>x b1) | ...
+
+and a last line pairs each round's b1 with copies measured just before and after it.
 
 Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto] [--repeat 3]
        [--profile]   (adds a torch profiler table of one batch-1 and one batch-8 step)
@@ -180,12 +182,23 @@ def main() -> int:
     decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches
     rates, steps, fwd = {1: 0.0, 4: 0.0, 8: 0.0}, {}, {}
     bw = read_bw = 0.0
+    # each round also pairs its own b1 rate with copies measured right before and after
+    # it: on a shared machine the bandwidth can change from one minute to the next, and
+    # the best rate and the best bandwidth of a run may come from different moments
+    paired: list[tuple[float, float]] = []  # (b1 % of the round's bound, b8 / b1 of the round)
     for i in range(args.repeat):
+        round_rates = {}
+        before = copy_bandwidth(device=r.device.type, reps=3)
         for b in (1, 4, 8):
             rate, step, f = decode_rate(engine, b, args.tokens, f"b{b}r{i}")
+            round_rates[b] = rate
+            if b == 1:
+                after = copy_bandwidth(device=r.device.type, reps=3)
             if rate > rates[b]:
                 rates[b], steps[b], fwd[b] = rate, step, f
-        bw = max(bw, copy_bandwidth(device=r.device.type))
+        round_bound = (before + after) / 2 / r.read_bytes_per_step
+        paired.append((100 * round_rates[1] / round_bound, round_rates[8] / round_rates[1]))
+        bw = max(bw, before, after, copy_bandwidth(device=r.device.type))
         read_bw = max(read_bw, read_bandwidth(device=r.device.type))
     bound = bw / r.read_bytes_per_step
     read_bound = read_bw / r.read_bytes_per_step
@@ -204,6 +217,11 @@ def main() -> int:
           f"b4 {rates[4]:.1f} tok/s ({rates[4] / rates[1]:.1f}x b1) | "
           f"b8 {rates[8]:.1f} tok/s ({rates[8] / rates[1]:.1f}x b1) | "
           f"targets: b1 >= 60% of bound, b8 >= 4x b1 | b1 is {100 * rates[1] / read_bound:.0f}% of the read-only bound")
+    pct = sorted(p[0] for p in paired)
+    ratio = sorted(p[1] for p in paired)
+    print(f"per round (b1 against copies just before and after it): b1 "
+          f"{', '.join(f'{p:.0f}%' for p, _ in paired)} of bound (median {pct[len(pct) // 2]:.0f}%) | "
+          f"b8/b1 {', '.join(f'{q:.1f}x' for _, q in paired)} (median {ratio[len(ratio) // 2]:.1f}x)")
     if args.profile:
         profile_step(engine, 1)
         profile_step(engine, 8)
