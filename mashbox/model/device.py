@@ -2,8 +2,8 @@
 
 cuda when torch.cuda.is_available() (or asked for), else cpu. dtype "auto" is measured,
 not guessed: a decode-shaped matmul ([8, hidden] x [hidden, n], n >= 4*hidden and the
-weight larger than the caches) is timed in float32 and bfloat16 on the chosen device and the
-faster wins.
+weight larger than the caches) is timed in float32 and bfloat16 on the chosen device, on
+the kernels the decoder would run, and the faster wins.
 """
 from __future__ import annotations
 
@@ -44,18 +44,34 @@ def _matmul_seconds(device: torch.device, dtype: torch.dtype, hidden: int, reps:
     rows = max(4 * hidden, PROBE_BYTES // (4 * hidden))
     x = torch.randn(8, hidden, generator=gen).to(device=device, dtype=dtype)
     w = torch.empty(rows, hidden, dtype=dtype, device=device).uniform_(-1.0, 1.0)
+    matmul = _linear_as_the_decoder_runs_it(w)
     best = float("inf")
     with torch.inference_mode():
-        torch.nn.functional.linear(x, w)  # warm-up: kernel selection, first touch
+        matmul(x)  # warm-up: kernel selection, first touch
         for _ in range(reps):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
+            matmul(x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _linear_as_the_decoder_runs_it(w: torch.Tensor):
+    """x -> x @ w.T on the kernel the decoder would use for w's dtype and device: mashbox's
+    bfloat16 kernel where the CPU has AVX512-BF16, oneDNN's packed weights on other CPUs,
+    torch's linear on CUDA (decoder._pack_weights makes the same choices)."""
+    if w.device.type == "cpu":
+        from mashbox.model.linear import BF16Linear, bf16_kernel_available
+
+        if w.dtype == torch.bfloat16 and bf16_kernel_available():
+            return BF16Linear(w)
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+    return lambda x: torch.nn.functional.linear(x, w)
 
 
 def device_and_dtype(device: str, dtype: str, hidden_size: int = 2048) -> tuple[torch.device, torch.dtype]:

@@ -45,3 +45,15 @@ def test_auto_dtype_picks_the_faster_one(monkeypatch):
         monkeypatch.setattr(device_mod, "_matmul_seconds",
                             lambda dev, dt, hidden, reps, fast=fast: 1.0 if dt == fast else 2.0)
         assert device_and_dtype("cpu", "auto")[1] == fast
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_probe_times_the_kernel_the_decoder_runs(dtype):
+    from mashbox.model.linear import BF16Linear, bf16_kernel_available
+
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    matmul = device_mod._linear_as_the_decoder_runs_it(w)
+    assert isinstance(matmul, BF16Linear) == (dtype == torch.bfloat16 and bf16_kernel_available())
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    assert (matmul(x).float() - want).abs().max().item() < 0.05 * want.abs().max().item()
