@@ -331,6 +331,15 @@ int mb_bf16_gather_rows(const uint16_t *packed, int32_t n, int32_t k, const int6
     return MB_OK;
 }
 
+/* Built for AVX2 too where GCC can pick clones at load time: the same IEEE operations. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    defined(__GLIBC__)
+#define MB_NORM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MB_NORM_CLONES
+#endif
+
+MB_NORM_CLONES
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
                     float eps, uint16_t *out, int64_t ldo) {
     if (m < 0 || k < 1 || ldx < k || ldo < k)
@@ -339,7 +348,13 @@ int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const 
         const uint16_t *xr = x + (size_t)r * ldx;
         uint16_t *o = out + (size_t)r * ldo;
         double lane[MB_NORM_LANES] = {0};
-        for (int32_t i = 0; i < k; i++) { /* lane i % 8, in order: vectorises, fixed order */
+        int32_t i = 0;
+        for (; i + MB_NORM_LANES <= k; i += MB_NORM_LANES) /* element i into lane i % 8 */
+            for (int l = 0; l < MB_NORM_LANES; l++) {
+                double v = (double)mb_bf16_f32(xr[i + l]);
+                lane[l] += v * v;
+            }
+        for (; i < k; i++) {
             double v = (double)mb_bf16_f32(xr[i]);
             lane[i % MB_NORM_LANES] += v * v;
         }
