@@ -430,8 +430,8 @@ class HttpProtocol(asyncio.Protocol):
         """Wait until the transport takes writes again (raises if the client is gone)."""
         if self.closed:
             raise ConnectionResetError("client disconnected")
-        if not self.writing_paused:
-            return
+        if not self.writing_paused and not self.transport.is_closing():
+            return  # (a closing transport: wait for connection_lost, which fails the waiter)
         w = self._drain_waiter
         if w is None:
             w = self._drain_waiter = self.loop.create_future()
@@ -507,7 +507,12 @@ class _StreamChannel:
 
     @property
     def writing_paused(self) -> bool:
-        return self.conn.writing_paused
+        # A transport that is closing (the client reset it during a write; the loop has
+        # not yet run connection_lost) takes no more bytes and will never pause: report
+        # it paused, so a pump of frames that are all ready at once awaits drain (which
+        # the connection's loss then fails) instead of spinning the loop forever.
+        conn = self.conn
+        return conn.writing_paused or conn.closed or conn.transport.is_closing()
 
     def write_body(self, chunk: bytes) -> None:
         if self.chunked:

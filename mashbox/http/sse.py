@@ -130,6 +130,10 @@ class Channel:
     async def drain(self) -> None: ...
 
 
+class _ClientGone(Exception):
+    """The connection was lost while the pump waited to write (not the iterator's error)."""
+
+
 @types.coroutine
 def _resume(it, first):
     """Finish awaiting `it`, an awaitable's iterator that has already yielded `first`:
@@ -211,11 +215,16 @@ async def pump(
                 st.frames += 1
                 last_activity = loop.time()
                 if channel.writing_paused:
-                    await channel.drain()
+                    try:
+                        await channel.drain()
+                    except ConnectionError as e:
+                        raise _ClientGone from e
         st.to("ended")
     except asyncio.CancelledError:
         st.to("cancelled")
         raise
+    except _ClientGone:
+        st.to("cancelled")  # the client went away while the pump waited to write
     except Exception:
         # The api should end its own streams with its error event; reaching here is a
         # bug upstream. Log it (not the frames) and let the caller close the connection.

@@ -694,3 +694,47 @@ def test_a_response_that_cannot_be_written_becomes_500(fake_transport, parse):
             assert orjson.loads(resp.body)["error"]["type"] == "server_error"
 
     run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_reset_during_a_burst_of_ready_frames_ends_the_stream(fake_transport):
+    """uvloop drops writes to a transport whose send failed and calls connection_lost only
+    on a later loop turn; a stream whose frames are all ready at once must then wait for
+    that instead of pulling frames forever (the loop would spin at 100% CPU)."""
+    async def main():
+        log = []
+
+        pulled = [0]
+
+        async def endless(req):
+            async def events():
+                try:
+                    while pulled[0] < 3_000_000:  # "endless": the bound only ends a spin
+                        pulled[0] += 1
+                        yield data({"x": 1})
+                finally:
+                    log.append("closed")
+            return StreamResponse(events())
+
+        class ResetTransport(fake_transport):
+            def write(self, d):
+                if self.closed:
+                    return  # dropped, as uvloop does once the transport is closing
+                if len(self.data) > 100_000:  # the send fails: closing, lost on a later turn
+                    self.closed = True
+                    asyncio.get_event_loop().call_soon(self.protocol.connection_lost, ConnectionResetError())
+                    return
+                super().write(d)
+
+        r = Router(Guard(CFG))
+        r.get("/v1/e", endless)
+        proto, t = await open_conn(r, ResetTransport)
+        proto.data_received(get("/v1/e"))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if log:
+                break
+        assert log == ["closed"] and proto.closed
+        assert pulled[0] < 20_000, f"{pulled[0]} frames pulled after the transport closed"
+
+    run(main())
