@@ -393,8 +393,11 @@ def test_slow_reader_is_cut_and_its_iterator_closed(start_server, probes):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", s.port))
     sock.sendall(b"GET /v1/endless HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
-    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
-    stopped = time.monotonic()  # from here on the client reads nothing
+    # Taken before the one recv below: the server cannot stall on this client before it
+    # has the request, so the cut comes at least the timeout after this (taken after the
+    # recv, a loaded machine could let the server stall first and the cut look early).
+    stopped = time.monotonic()
+    assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")  # from here on the client reads nothing
     assert probes.ev("endless closed").wait(15), "slow reader was never cut"
     waited = probes.values["closed_at"] - stopped
     assert waited >= cfg.slow_reader_timeout_s - 0.05, f"cut after {waited:.2f}s, before the timeout"
