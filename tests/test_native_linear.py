@@ -251,3 +251,22 @@ def test_gather_rows_reads_the_packed_rows(n, pairs, data):
     assert np.array_equal(native.bf16_gather_rows(w, ids), w[ids])
     with pytest.raises(ValueError):
         native.bf16_gather_rows(w, np.array([n], dtype=np.int64))
+
+
+def test_weight_arena_hands_out_aligned_parts_and_refuses_more():
+    sizes = [100, 4096, 70]
+    arena = linear.WeightArena(linear.arena_bytes(sizes))
+    parts = [arena.take(n) for n in sizes]
+    assert parts[0].data_ptr() % linear.HUGE_PAGE == 0  # the first on a huge-page boundary
+    assert all(p.data_ptr() % 64 == 0 for p in parts) and [p.numel() for p in parts] == sizes
+    assert parts[1].data_ptr() >= parts[0].data_ptr() + 100
+    with pytest.raises(ValueError, match="more bytes"):
+        arena.take(1)
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    arena = linear.WeightArena(linear.arena_bytes([linear.BF16Linear.packed_bytes(w)]))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert torch.equal(linear.BF16Linear(w, into=arena.take(linear.BF16Linear.packed_bytes(w)))(x),
+                       linear.BF16Linear(w)(x))
+    with pytest.raises(ValueError, match="packs to"):
+        linear.BF16Linear(w, into=torch.empty(10, dtype=torch.uint8))
+

@@ -267,3 +267,18 @@ def test_fuse_copies_parts_that_are_not_adjacent():
     assert torch.equal(apart, torch.cat([buf[0:2], buf[3:6]]))
     swapped = fuse([buf[2:4], buf[0:2]])
     assert torch.equal(swapped, torch.cat([buf[2:4], buf[0:2]]))
+
+
+def test_the_decoder_packs_its_weights_into_one_arena(tmp_path):
+    from mashbox.model import linear
+
+    if not linear.bf16_kernel_available():
+        pytest.skip("no AVX512-BF16 here")
+    weights = loader.load(str(make_tiny(tmp_path, "qwen2")), torch.bfloat16, torch.device("cpu"))
+    decoder = Decoder(weights.config, weights.tensors, torch.bfloat16, torch.device("cpu"))
+    packed = [w.packed for layer in decoder.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    packed.append(decoder.lm_head.packed)
+    storage = {p.untyped_storage().data_ptr() for p in packed}
+    assert len(storage) == 1, "one buffer"
+    starts = [p.data_ptr() for p in packed]
+    assert starts == sorted(starts), "in the order a step reads them"
