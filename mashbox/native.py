@@ -281,6 +281,14 @@ def bf16_gather_rows_ptr(packed: int, n: int, k: int, ids: int, count: int, out:
                                     count, _ffi.cast("uint16_t *", out)), "bf16_gather_rows")
 
 
+def _bf16_packed(w: np.ndarray) -> np.ndarray:
+    """w uint16[n, k] (C-contiguous, k even) in mb_bf16_pack's layout."""
+    n, k = w.shape
+    packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
+    bf16_pack_ptr(w.ctypes.data, n, k, packed.ctypes.data)
+    return packed
+
+
 def bf16_gather_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """w[ids] (uint16[n, k] bfloat16 bits, k even), read from w's packed form by C: the
     array-level check of mb_bf16_gather_rows against plain indexing."""
@@ -293,11 +301,9 @@ def bf16_gather_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             raise ValueError("bf16_gather_rows: a length, shape or offset is out of range")
         return w[ids]
-    packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
-    _check(_lib.mb_bf16_pack(_ptr("uint16_t *", w), n, k, _ptr("uint16_t *", packed)), "bf16_pack")
+    packed = _bf16_packed(w)
     out = np.empty((len(ids), k), dtype=np.uint16)
-    _check(_lib.mb_bf16_gather_rows(_ptr("uint16_t *", packed), n, k, _ptr("int64_t *", ids), len(ids),
-                                    _ptr("uint16_t *", out)), "bf16_gather_rows")
+    bf16_gather_rows_ptr(packed.ctypes.data, n, k, ids.ctypes.data, len(ids), out.ctypes.data)
     return out
 
 
@@ -321,20 +327,21 @@ def bf16_rope_kv_ptr(qkv: int, ldq: int, t: int, heads: int, kv_heads: int, head
 def bf16_rope_kv(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
                  positions: np.ndarray, slots: np.ndarray, k_cache: np.ndarray,
                  v_cache: np.ndarray) -> None:
-    """native_ref.bf16_rope_kv through C (arrays as there, C-contiguous; in place)."""
-    arrays = {"qkv": qkv, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache}
-    for name, a in arrays.items():
-        _array(a, np.uint16, name, a.ndim, writable=name in ("qkv", "k_cache", "v_cache"))
+    """native_ref.bf16_rope_kv through C (qkv and the caches C-contiguous uint16, changed
+    in place)."""
+    for name, a in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _array(a, np.uint16, name, a.ndim, writable=True)
+    cos = _array(cos, np.uint16, "cos", 2)
+    sin = _array(sin, np.uint16, "sin", 2)
     positions = _array(positions, np.int64, "positions", 1)
     slots = _array(slots, np.int64, "slots", 1)
     if _lib is None:
         native_ref.bf16_rope_kv(qkv, heads, kv_heads, cos, sin, positions, slots, k_cache, v_cache)
         return
-    u16 = "uint16_t *"
-    _check(_lib.mb_bf16_rope_kv(
-        _ptr(u16, qkv), qkv.shape[1], qkv.shape[0], heads, kv_heads, cos.shape[1], _ptr(u16, cos),
-        _ptr(u16, sin), _ptr("int64_t *", positions), _ptr("int64_t *", slots), _ptr(u16, k_cache),
-        _ptr(u16, v_cache), k_cache.shape[0], k_cache.shape[2], cos.shape[0]), "bf16_rope_kv")
+    bf16_rope_kv_ptr(qkv.ctypes.data, qkv.shape[1], qkv.shape[0], heads, kv_heads, cos.shape[1],
+                     cos.ctypes.data, sin.ctypes.data, positions.ctypes.data, slots.ctypes.data,
+                     k_cache.ctypes.data, v_cache.ctypes.data, k_cache.shape[0], k_cache.shape[2],
+                     cos.shape[0])
 
 
 def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -346,8 +353,8 @@ def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     if _lib is None:
         return native_ref.bf16_rmsnorm(x, w, eps)
     out = np.empty_like(x)
-    _check(_lib.mb_bf16_rmsnorm(_ptr("uint16_t *", x), x.shape[1], x.shape[0], x.shape[1],
-                                _ptr("uint16_t *", w), eps, _ptr("uint16_t *", out), x.shape[1]), "bf16_rmsnorm")
+    bf16_rmsnorm_ptr(x.ctypes.data, x.shape[1], x.shape[0], x.shape[1], w.ctypes.data, eps,
+                     out.ctypes.data, x.shape[1])
     return out
 
 
@@ -373,14 +380,11 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
             raise ValueError(f"add_to must have shape ({m}, {n}), got {add_to.shape}")
     if _lib is None:
         return native_ref.bf16_linear(x, w, bias, y_f32, add_to)
-    packed = np.empty(bf16_packed_bytes(n, k) // 2, dtype=np.uint16)
-    _check(_lib.mb_bf16_pack(_ptr("uint16_t *", w), n, k, _ptr("uint16_t *", packed)), "bf16_pack")
+    packed = _bf16_packed(w)
     if add_to is not None:
         y, mode = add_to.copy(), Y_ADD_BF16
     else:
         y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
-    _check(_lib.mb_bf16_linear(
-        _ptr("uint16_t *", x), k, m, _ptr("uint16_t *", packed), n, k,
-        _ffi.NULL if bias is None else _ptr("float *", bias), _ffi.from_buffer(y), mode, n,
-        bf16_kernel() if kernel is None else kernel, _ffi.NULL, 1), "bf16_linear")
+    bf16_linear_ptr(x.ctypes.data, k, m, packed.ctypes.data, n, k, 0 if bias is None else bias.ctypes.data,
+                    y.ctypes.data, mode, n, bf16_kernel() if kernel is None else kernel, 0, 1)
     return y

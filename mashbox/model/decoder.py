@@ -473,7 +473,7 @@ class _Plan:
             tokens = [r[0] for r in rows]
             # the common case: the step's tokens 0..rows-1 fill slots lo..hi in order, so
             # queries and outputs move by views instead of index ops
-            dense = index == list(range(len(rows))) and span == len(rows) and tokens == index
+            dense = tokens == index == list(range(len(rows)))
             self.groups.append(_DecodeGroup(
                 keys=keys, lo=lo, hi=hi, dense=dense,
                 gather=None if compact else torch.tensor(slots, device=device),
