@@ -159,13 +159,17 @@ def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok, record_pro
     record_property("greedy_alone_equals_beside_3", greedy_crowd == greedy_alone)
 
 
-def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
+def _sharing_a_prefix(seed: int) -> tuple[list[int], list[int]]:
+    """Two prompts that share a random 1,000-token prefix: + 3 tokens, + 5 others."""
     import random
 
-    rnd = random.Random(7)
+    rnd = random.Random(seed)
     prefix = [rnd.randrange(2, 320) for _ in range(1000)]
-    first = prefix + [11, 12, 13]
-    second = prefix + [21, 22, 23, 24, 25]
+    return prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
+
+
+def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
+    first, second = _sharing_a_prefix(7)
 
     async def main(client):
         a = await collect(client.submit(greq("a", first, 4)))
@@ -185,12 +189,7 @@ def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
 
 
 def test_running_request_prefix_is_copied_not_recomputed(tiny, tiny_tok):
-    import random
-
-    rnd = random.Random(11)
-    prefix = [rnd.randrange(2, 320) for _ in range(1000)]
-    first = prefix + [11, 12, 13]
-    second = prefix + [21, 22, 23, 24, 25]
+    first, second = _sharing_a_prefix(11)
 
     async def main(client):
         a = client.submit(greq("a", first, 300))
