@@ -426,12 +426,20 @@ class HttpProtocol(asyncio.Protocol):
             # runs on_close, so the engine request is cancelled.
             await resp.close()
 
+    @property
+    def output_blocked(self) -> bool:
+        """The transport takes no writes now: paused, or closing (the client reset it
+        during a send; the loop has not yet run connection_lost, which fails a drain
+        waiter). A closing transport never pauses, so a writer of frames that are all
+        ready at once would otherwise spin the loop instead of waiting for the loss."""
+        return self.writing_paused or self.closed or self.transport.is_closing()
+
     async def drain(self) -> None:
         """Wait until the transport takes writes again (raises if the client is gone)."""
         if self.closed:
             raise ConnectionResetError("client disconnected")
-        if not self.writing_paused and not self.transport.is_closing():
-            return  # (a closing transport: wait for connection_lost, which fails the waiter)
+        if not self.output_blocked:
+            return
         w = self._drain_waiter
         if w is None:
             w = self._drain_waiter = self.loop.create_future()
@@ -507,12 +515,7 @@ class _StreamChannel:
 
     @property
     def writing_paused(self) -> bool:
-        # A transport that is closing (the client reset it during a write; the loop has
-        # not yet run connection_lost) takes no more bytes and will never pause: report
-        # it paused, so a pump of frames that are all ready at once awaits drain (which
-        # the connection's loss then fails) instead of spinning the loop forever.
-        conn = self.conn
-        return conn.writing_paused or conn.closed or conn.transport.is_closing()
+        return self.conn.output_blocked
 
     def write_body(self, chunk: bytes) -> None:
         if self.chunked:
