@@ -11,7 +11,7 @@ import sys
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("sample.c", "stop.c", "prefix.c", "linear.c")
+SOURCES = ("sample.c", "stop.c", "prefix.c", "linear.c", "attention.c")
 
 
 def _cdef() -> str:
@@ -41,7 +41,7 @@ ffibuilder.set_source(
     '#include "mashbox.h"',
     sources=[_path(s) for s in SOURCES],
     include_dirs=[_path("")],
-    depends=[_path("mashbox.h")],
+    depends=[_path("mashbox.h"), _path("bf16.h")],
     extra_compile_args=FLAGS,
     libraries=[] if sys.platform == "win32" else ["m"],  # sqrt in linear.c
 )

@@ -31,6 +31,7 @@
  * of a decode step's non-memory time saved.
  */
 #include "mashbox.h"
+#include "bf16.h"
 
 #include <math.h>
 #include <string.h>
@@ -38,19 +39,12 @@
 #define MB_NORM_LANES 8 /* partial sums of squares in mb_bf16_rmsnorm */
 #define MB_MAX_HEAD_DIM 1024
 
-#if defined(__GNUC__) || defined(__clang__)
-#define MB_ATOMICS 1 /* __atomic builtins: the work handout across threads */
-#endif
-
 #define MB_BLOCK 16 /* outputs per float32 vector */
 #define MB_VECS 3   /* float32 vectors per tile */
 #define MB_TILE (MB_VECS * MB_BLOCK) /* outputs per tile: 48 */
 #define MB_MR 8     /* rows per micro-tile: 8 x 3 accumulators + 3 weights + 1 input, so a
                      * decode step of 8 rows reads each tile once */
 #define MB_CHUNK 48 /* rows per work item: their inputs stay in L2 while tiles stream */
-
-typedef void (*mb_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
-                               unsigned flags);
 
 struct mb_job {
     const uint16_t *x;
@@ -67,32 +61,6 @@ struct mb_job {
     int64_t threads;
     void (*run)(const struct mb_job *, int32_t m0, int32_t rows, int32_t tile);
 };
-
-static float mb_bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t mb_f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float mb_flush(float f) { /* denormal -> zero of its sign */
-    uint32_t u = mb_f32_bits(f);
-    return (u & 0x7f800000u) == 0 ? mb_bits_f32(u & 0x80000000u) : f;
-}
-
-static uint16_t mb_round_bf16(float f) { /* nearest even; NaN stays NaN (quiet) */
-    uint32_t u = mb_f32_bits(f);
-    u = (u & 0x7f800000u) == 0 ? u & 0x80000000u : u; /* denormal -> zero */
-    uint32_t nan = (u & 0x7fffffffu) > 0x7f800000u;
-    return (uint16_t)(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static float mb_bf16_f32(uint16_t b) { return mb_bits_f32((uint32_t)b << 16); }
 
 size_t mb_bf16_packed_bytes(int32_t n, int32_t k) {
     if (n < 1 || k < 2 || k % 2)

@@ -126,4 +126,20 @@ int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_
                     const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
                     uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows);
 
+/* Decode attention (csrc/attention.c states the arithmetic): for each of t rows, query
+ * heads q[rows[r]] (bfloat16 [heads, head_dim], rows ldq apart, n_q of them) attend over
+ * keys [lo, ends[r]) of slot slots[r] in the caches [n_slots, kv_heads, capacity,
+ * head_dim], lo = ends[r] - window when window > 0 and shorter; the result goes to
+ * out[rows[r]] ([heads, head_dim], rows ldo apart). A row's bits depend on its own
+ * query, keys and end only. kernel: MB_KERNEL_PORTABLE, or MB_KERNEL_AVX512BF16 for the
+ * AVX-512 path (it needs AVX512F only). parallel / threads as mb_bf16_linear's. MB_EINVAL for a
+ * row, slot or end out of range, heads not a multiple of kv_heads or over 32 per K/V
+ * head, head_dim not a multiple of 16 or over 256. */
+int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t *rows,
+                      const int64_t *slots, const int64_t *ends, int32_t t, int32_t heads,
+                      int32_t kv_heads, int32_t head_dim, int32_t window, float scale,
+                      const uint16_t *k_cache, const uint16_t *v_cache, int32_t n_slots,
+                      int32_t capacity, uint16_t *out, int64_t ldo, int32_t kernel,
+                      void *parallel, int32_t threads);
+
 #endif /* MASHBOX_H */

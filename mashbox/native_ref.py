@@ -52,6 +52,11 @@ exponent for the even product): products that leave float32's normal range (unde
 or overflow), and the sign of a zero sum. Weights and activations of real models are
 far from both. Then acc + bias (float32), and bfloat16 output rounds that once to
 nearest even (a denormal becomes zero, NaN stays NaN). Nothing depends on other rows.
+
+Decode attention (`bf16_attention`; csrc/attention.c states the rule): per query head,
+float32 dot products in 16 lanes, an online softmax over blocks of 64 keys with our own
+exp (`att_exp`, float32 operations that numpy and C both round alike), the output
+rounded once to bfloat16. A row depends on its own query, keys and end only.
 """
 from __future__ import annotations
 
@@ -360,3 +365,73 @@ def bf16_rope_kv(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, si
     x[:, :heads] = rot[:, :heads]
     k_cache[slots, :, positions] = rot[:, heads:]
     v_cache[slots, :, positions] = x[:, heads + kv_heads:]
+
+
+ATT_LANES = 16  # float32 lanes of one dot product (csrc/attention.c)
+ATT_BLOCK = 64  # keys per online-softmax block
+
+
+def att_exp(x: np.ndarray) -> np.ndarray:
+    """e^x for float32 x <= 0, 0 below -80, by mb_att_exp's float32 operations."""
+    f = np.float32
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        y = np.maximum(x, f(-80.0))
+        n = (y * f(1.44269504) + f(12582912.0)) - f(12582912.0)
+        r = (y - n * f(0.693359375)) - n * f(-2.12194440e-4)
+        p = np.full_like(r, f(1.9875691500e-4))
+        for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+            p = p * r + f(c)
+        p = (p * (r * r) + r) + f(1.0)
+        two_n = ((n.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(np.float32)
+        return np.where(x < f(-80.0), f(0.0), p * two_n).astype(np.float32)
+
+
+def _att_dots(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """q float32[D] . keys float32[n, D] -> [n], in mb_att_dot's lane order."""
+    prods = keys * q[None, :]  # [n, D]
+    lane = prods[:, :ATT_LANES]
+    for i in range(ATT_LANES, q.shape[0], ATT_LANES):
+        lane = lane + prods[:, i:i + ATT_LANES]
+    w = ATT_LANES // 2
+    while w >= 1:
+        lane = lane[:, :w] + lane[:, w:2 * w]
+        w //= 2
+    return lane[:, 0]
+
+
+def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.ndarray,
+                   heads: int, kv_heads: int, window: int, scale: float, k_cache: np.ndarray,
+                   v_cache: np.ndarray, out: np.ndarray) -> None:
+    """As mb_bf16_attention (csrc/attention.c states the rule): q uint16[n_q, >= heads * D]
+    (bfloat16 bits), caches uint16[n_slots, kv_heads, capacity, D]; writes out[rows[r],
+    :heads * D] for every row r."""
+    D = k_cache.shape[3]
+    G = heads // kv_heads
+    f = np.float32
+    for r in range(len(rows)):
+        end = int(ends[r])
+        lo = end - window if 0 < window < end else 0
+        for h in range(kv_heads):
+            kf = bf16_to_f32(k_cache[slots[r], h, lo:end])  # [keys, D]
+            vf = bf16_to_f32(v_cache[slots[r], h, lo:end])
+            for g in range(G):
+                head = h * G + g
+                qf = bf16_to_f32(q[rows[r], head * D:(head + 1) * D])
+                with np.errstate(all="ignore"):
+                    s = _att_dots(qf, kf) * f(scale)  # [keys]
+                    acc = np.zeros(D, dtype=np.float32)
+                    m = l = f(0.0)
+                    for b in range(0, end - lo, ATT_BLOCK):
+                        block = s[b:b + ATT_BLOCK]
+                        top = block.max()
+                        if b == 0:
+                            m, l = top, f(0.0)
+                        elif top > m:
+                            c = att_exp(np.array([m - top], dtype=np.float32))[0]
+                            l, acc, m = l * c, acc * c, top
+                        p = att_exp(block - m)
+                        for i in range(p.shape[0]):
+                            l = f(l + p[i])
+                            acc = acc + p[i] * vf[b + i]
+                    out[rows[r], head * D:(head + 1) * D] = f32_to_bf16(acc / l)

@@ -135,6 +135,7 @@ class Runner:
             row_slots=[row.slot for row in rows],
             row_starts=[row.start for row in rows],
             row_lens=[len(row.token_ids) for row in rows],
+            row_decode=tuple(row.decode for row in rows),
         )
         logits = self.decoder.forward(batch, self.cache)  # [rows, vocab] float32
         pick = [i for i, row in enumerate(rows) if row.sample]

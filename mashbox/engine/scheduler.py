@@ -39,6 +39,11 @@ class Row:
     token_ids: tuple[int, ...]  # the new tokens fed this step
     sample: bool  # the row's last logits give the request's next token
 
+    @property
+    def decode(self) -> bool:
+        """The row feeds a token the model generated (it starts past the prompt)."""
+        return self.start >= self.request.num_prompt
+
 
 @dataclass(frozen=True)
 class StepPlan:

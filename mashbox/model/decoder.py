@@ -19,6 +19,10 @@ Rules:
   kernel's path the RMS norms, rope with the K/V cache write, and the residual adds run
   in csrc too (one call each instead of several torch ops); float32 keeps torch's ops,
   which the transformers parity tests compare.
+- Decode rows (Batch.row_decode: the row feeds a token the model generated) attend on
+  csrc's kernel (model/attention.py) in bfloat16 where the CPU runs it: one call per
+  layer for all of them, each query alone over its own keys. Prompt rows, and decode rows
+  elsewhere, attend through SDPA.
 - GQA never materialises repeated K/V: a row's q is viewed as [kv_heads, group * n,
   head_dim] against the slot's [kv_heads, L, head_dim] keys (batch_invariant), or prefill
   uses SDPA's enable_gqa.
@@ -26,13 +30,17 @@ Rules:
   depend on how its request was scheduled: whole or chunked prefill, its last prompt
   token recomputed alone after a prefix-cache hit, alone or beside other rows, in
   bfloat16 and float32 (bit-identical; measured on this project's CPU, see _MIN_ROWS).
-  Three rules make it so: every row, prefill chunk or decode, attends through one masked
+  Decode rows on csrc's attention depend on their own query and keys only. Elsewhere
+  three rules make it so: every row, prefill chunk or decode, attends through one masked
   SDPA call over its slot's keys [0, kv_cache.key_width(end)): 128, or whole blocks of
   512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see fewer rows than the dtype's
   small-M threshold; and linears run on at least _MIN_ROWS rows (padding rows otherwise;
   the own kernel needs none: its rows never meet). One-token rows of the same key width
   share one SDPA call (_DecodeGroup): the call's batch runs each slot's queries through
-  the blocks a call of its own would.
+  the blocks a call of its own would. Where decode rows take csrc's attention and prompt
+  rows SDPA, a generated token's K/V can differ in its last bits from the same token's
+  computed as part of a later prompt that misses the prefix cache; a hit reuses the
+  generated token's own K/V.
   Cost, bf16, 1 thread, against the same code reading keys in blocks of 64 (which is not
   invariant): nothing up to 128 keys; at 300 keys about +0.7 ms per decode row (512 keys
   read; batch 8: 34.7 -> 40.4 ms per step). A sliding-window model reads keys from 0
@@ -54,7 +62,7 @@ from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: deco
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
 from mashbox.model.kv_cache import KVCache, key_width
-from mashbox.model import linear
+from mashbox.model import attention, linear
 from mashbox.model.linear import INT4_GROUP, BF16Linear, Int4Weight, Int8Weight, bf16_kernel_available
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
@@ -67,9 +75,14 @@ class Batch:
     row_slots: list[int]  # [rows] the KV slot of each row
     row_starts: list[int]  # [rows] tokens already in the slot = position of the row's first token
     row_lens: list[int]  # [rows] new tokens of the row (1 = decode)
+    # [rows] True where the row feeds a token the model generated (a decode step), not a
+    # prompt token; empty: none does. Decode rows may attend on their own kernel
+    # (model/attention.py), so a prompt's last token recomputed alone must say it is one.
+    row_decode: tuple[bool, ...] = ()
 
     @classmethod
-    def build(cls, rows: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "Batch":
+    def build(cls, rows: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu",
+              decode: tuple[bool, ...] = ()) -> "Batch":
         """From (slot, start, new token ids) per row; a convenience for callers and tests."""
         ids: list[int] = []
         pos: list[int] = []
@@ -82,6 +95,7 @@ class Batch:
             row_slots=[r[0] for r in rows],
             row_starts=[r[1] for r in rows],
             row_lens=[len(r[2]) for r in rows],
+            row_decode=tuple(decode),
         )
 
 
@@ -107,7 +121,7 @@ class _Layer:
 class Decoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, batch_invariant: Optional[bool] = None, weights: str = "dense",
-                 own_kernel: Optional[bool] = None):
+                 own_kernel: Optional[bool] = None, own_attention: Optional[bool] = None):
         if weights not in WEIGHT_FORMATS:
             raise ModelError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
         if weights != "dense" and not (dtype == torch.bfloat16 and _packs_linears(torch.device(device), dtype)):
@@ -169,6 +183,9 @@ class Decoder:
             self._min_rows = 1
         if self._packed:
             self._pack_weights(weights)
+        # decode rows (Batch.row_decode) attend on csrc's kernel (model/attention.py) where
+        # it runs; own_attention=False keeps SDPA for them (a side-by-side)
+        self.own_attention = attention.supported(config, dtype, self.device) and own_attention is not False
 
     def _pack_weights(self, weights: str) -> None:
         """Reorder every linear weight into oneDNN's blocked layout, once. Measured on this
@@ -260,7 +277,8 @@ class Decoder:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         c = self.config
         T = batch.input_ids.shape[0]
-        plan = _Plan(batch, cache, c, self.dtype, self.device, invariant=self.batch_invariant)
+        plan = _Plan(batch, cache, c, self.dtype, self.device, invariant=self.batch_invariant,
+                     own_decode=self.own_attention)
         ids, positions = batch.input_ids, batch.positions
         # Batch invariance: float32 linears round differently below _min_rows rows (see
         # the module docstring), so a short step runs on padding rows too; their
@@ -373,11 +391,13 @@ class _Plan:
     """
 
     def __init__(self, batch: Batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, invariant: bool):
+                 device: torch.device, invariant: bool, own_decode: bool = False):
         self.dtype = dtype
         rows = len(batch.row_slots)
         if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
             raise ValueError("batch rows: row_slots, row_starts and row_lens must be non-empty and equal in length")
+        if batch.row_decode and len(batch.row_decode) != rows:
+            raise ValueError("batch rows: row_decode must be empty or have one flag per row")
         T = int(batch.input_ids.shape[0])
         if sum(batch.row_lens) != T or batch.positions.shape[0] != T:
             raise ValueError("batch: sum(row_lens) must equal len(input_ids) and len(positions)")
@@ -393,16 +413,22 @@ class _Plan:
         self.rows: list[tuple[int, int, int, int, int, torch.Tensor]] = []
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         invariant_decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
+        own: list[tuple[int, int, int]] = []  # (t, slot, length): decode rows on attention.py's kernel
         qmult = _QUERY_MULTIPLE.get(dtype, 1)
         t0 = 0
-        for slot, start, n in zip(batch.row_slots, batch.row_starts, batch.row_lens):
+        for i, (slot, start, n) in enumerate(zip(batch.row_slots, batch.row_starts, batch.row_lens)):
             if n < 1 or start < 0 or start + n > cache.ctx or not 0 <= slot < cache.slots:
                 raise ValueError(f"batch row (slot {slot}, start {start}, len {n}) does not fit the cache "
                                  f"({cache.slots} slots of {cache.ctx})")
+            decode = bool(batch.row_decode) and bool(batch.row_decode[i])
+            if decode and n != 1:
+                raise ValueError(f"batch row {i}: a decode row feeds one token, not {n}")
             token_slots.extend([slot] * n)
             last.append(t0 + n - 1)
             end = start + n
-            if invariant and n == 1:
+            if decode and own_decode:
+                own.append((t0, slot, end))
+            elif invariant and n == 1:
                 invariant_decodes.append((t0, slot, end))
             elif invariant:
                 keys = key_width(end)
@@ -435,6 +461,7 @@ class _Plan:
         self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self.decodes = decodes
+        self.own = attention.DecodeRows(own, c) if own else None
         self.batched = None
         self.groups: list[_DecodeGroup] = []
         if invariant_decodes:
@@ -529,6 +556,8 @@ class _Plan:
                out: torch.Tensor) -> None:
         """q [T, heads, head_dim]; caches [slots, kv_heads, ctx, head_dim]; out [T, heads*head_dim]."""
         KV, G, D = self.kv_heads, self.group, self.head_dim
+        if self.own is not None:
+            self.own.attend(q, k_cache, v_cache, out)
         # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
         # math kernel.
         for g in self.groups:

@@ -43,6 +43,16 @@ def _gomp_parallel() -> int:
 _PARALLEL: Optional[int] = None
 
 
+def parallel() -> int:
+    """GOMP_parallel's address for csrc's kernels (looked up once), or 0: one thread."""
+    global _PARALLEL
+    if _PARALLEL is None:
+        _PARALLEL = _gomp_parallel()
+        if not _PARALLEL:
+            log.warning("libgomp not found in this process: csrc's kernels run on one thread")
+    return _PARALLEL
+
+
 def bf16_kernel_available() -> bool:
     """The fast kernel runs on this CPU (AVX512-BF16); the portable one is for tests only."""
     return native.NATIVE and native.bf16_kernel() == native.KERNEL_AVX512BF16
@@ -57,11 +67,7 @@ class BF16Linear:
                  kernel: Optional[int] = None, into: Optional[torch.Tensor] = None) -> None:
         """into: where the packed weight goes (packed_bytes(w) bytes of a WeightArena),
         else a buffer of its own."""
-        global _PARALLEL
-        if _PARALLEL is None:
-            _PARALLEL = _gomp_parallel()
-            if not _PARALLEL:
-                log.warning("libgomp not found in this process: bf16 linears run on one thread")
+        parallel()
         if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
             raise ValueError(f"BF16Linear takes a 2-d bfloat16 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
         self.n, self.k = (int(s) for s in w.shape)

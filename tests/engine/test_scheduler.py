@@ -127,6 +127,24 @@ def test_sampling_row_only_when_prompt_completes():
     samples = [drive(s).rows[0].sample for _ in range(3)]
     assert samples == [False, False, True]
     assert a.num_generated == 1 and a.num_computed == 20
+    row = drive(s).rows[0]  # the sampled token goes in: a decode row
+    assert row.decode and row.token_ids == (7,) and row.start == 20
+
+
+def test_only_rows_of_generated_tokens_are_decode_rows():
+    """Prompt chunks, a 1-token last chunk and a prompt's last token recomputed after a
+    prefix hit are prompt rows (the decoder gives them SDPA's bits); a row feeding a
+    sampled token is a decode row."""
+    s = Scheduler(num_slots=1, ctx=256, prefill_chunk=9, prefix_block=4)
+    a = req("a", range(10))
+    s.add(a)
+    kinds = [(r.token_ids, r.decode) for _ in range(4) for r in drive(s).rows]
+    assert kinds == [(tuple(range(9)), False), ((9,), False), ((7,), True), ((7,), True)]
+    s.finish(a, "length")
+    b = req("b", range(10))
+    s.add(b)
+    row = drive(s).rows[0]
+    assert b.num_cached == 9 and row.token_ids == (9,) and not row.decode
 
 
 def test_waits_for_free_slot_then_takes_it():

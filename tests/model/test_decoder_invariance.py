@@ -4,7 +4,8 @@ Bit-identical (torch.equal), in bfloat16 and float32, on tiny random models and 
 default model: one whole prefill; the same prompt prefilled in chunks of 1, 7 and the
 rest; the prompt but its last token prefilled, then that token alone (what a prefix-cache
 hit recomputes); that token beside other rows (decodes and a prefill chunk); and decode
-steps alone against the same steps beside other slots' decodes.
+steps alone against the same steps beside other slots' decodes and a prefill chunk. In
+bfloat16, decode rows (Batch.row_decode) attend on csrc's kernel, prompt rows on SDPA.
 """
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ def _decoder(path: str, dtype: torch.dtype, own_kernel=None) -> Decoder:
         assert not decoder.own_kernel
     elif dtype == torch.bfloat16 and linear.bf16_kernel_available() and decoder._packed:
         assert decoder.own_kernel and decoder._min_rows == 1, "no padding rows on the own kernel"
+    if dtype == torch.bfloat16 and linear.bf16_kernel_available():
+        assert decoder.own_attention, "decode rows attend on csrc's kernel (model/attention.py)"
     return decoder
 
 
 def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) -> None:
     """Slots 0..3 take the same prompt through four schedules; slots 4 and 5 are company."""
     cache = KVCache(decoder.config, slots=6, ctx=ctx, dtype=decoder.dtype, device=CPU)
-    fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
+    fwd = lambda rows, decode=(): decoder.forward(Batch.build(rows, decode=decode), cache)  # noqa: E731
     n = len(prompt)
     gen = torch.Generator().manual_seed(3)
     other = torch.randint(0, vocab, (13,), generator=gen).tolist()
@@ -67,11 +70,15 @@ def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) 
     assert torch.equal(whole, beside[2]), "the last prompt token beside a decode and a prefill"
 
     tok = int(whole.argmax())
-    for i in range(3):  # slot 0 alone; slots 1-3 (same history) beside each other and slot 5
-        alone = fwd([(0, n + i, [tok])])[0]
-        together = fwd([(1, n + i, [tok]), (5, 14 + i, [9]), (2, n + i, [tok]), (3, n + i, [tok])])
-        for row in (0, 2, 3):
-            assert torch.equal(alone, together[row]), f"decode step {i}, row {row}"
+    for i in range(3):  # slot 0 alone; slots 1-3 (same history) beside each other, slot 5's
+        # decode and slot 4's prefill chunk
+        alone = fwd([(0, n + i, [tok])], decode=(True,))[0]
+        together = fwd([(1, n + i, [tok]), (5, 14 + i, [9]), (2, n + i, [tok]), (3, n + i, [tok])],
+                       decode=(True,) * 4)
+        mixed = fwd([(4, n // 2 + 3 * i, prompt[n // 2 + 3 * i:n // 2 + 3 * i + 3]), (1, n + i, [tok])],
+                    decode=(False, True))
+        for got in (together[0], together[2], together[3], mixed[1]):
+            assert torch.equal(alone, got), f"decode step {i}"
         tok = int(alone.argmax())
 
 
@@ -234,16 +241,18 @@ def test_int4_requantizes_the_default_models_q4_1_weights_almost_exactly(default
     assert rel < 0.02, rel  # measured 0.007
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt-rows", "decode-rows"])
 @pytest.mark.parametrize("dtype,own_kernel", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("variant", ["llama", "mistral_window"])
-def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_kernel):
+def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_kernel, decode):
     """One-token rows attend in one SDPA call per key width, over a view of their slot
-    range or gathered slots: a row's logits equal its own alone whatever shares the call
-    (a far slot: gathered; a gap in the range: a spare slot; a longer slot: another
-    key width, another call)."""
+    range or gathered slots (prompt rows: a prompt's last token recomputed), or on csrc's
+    decode attention (decode rows, bfloat16 where it runs): a row's logits equal its own
+    alone whatever shares the call (a far slot: gathered; a gap in the range: a spare
+    slot; a longer slot: another key width, another call)."""
     decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, own_kernel)
     cache = KVCache(decoder.config, slots=10, ctx=600, dtype=dtype, device=CPU)
-    fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
+    fwd = lambda rows: decoder.forward(Batch.build(rows, decode=tuple(decode and len(r[2]) == 1 for r in rows)), cache)  # noqa: E731
     gen = torch.Generator().manual_seed(5)
     lens = {0: 30, 2: 30, 3: 200, 9: 30}
     prompts = {s: torch.randint(0, 128, (n,), generator=gen).tolist() for s, n in lens.items()}
@@ -255,3 +264,33 @@ def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_k
         cache.k[:, 1], cache.v[:, 1] = cache.k[:, 0], cache.v[:, 0]
         got = fwd([(1, 30, [7])] + company)[0]
         assert torch.equal(alone, got), company
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied", "qwen2"])
+def test_decode_attention_is_as_close_to_float32_as_sdpa(tmp_path, variant):
+    """bfloat16 decode rows on csrc's attention against the same rows on SDPA
+    (own_attention=False): against a float32 decoder, over 12 decode steps after a
+    70-token prompt (past mistral_window's 8-key window), neither is further off than
+    bfloat16's own noise."""
+    path = str(make_tiny(tmp_path, variant))
+    own = _decoder(path, torch.bfloat16)
+    if not own.own_attention:
+        pytest.skip("csrc's decode attention does not run here (no AVX-512 kernels)")
+    weights = loader.load(path, torch.bfloat16, CPU)
+    sdpa = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU, own_attention=False)
+    exact = _decoder(path, torch.float32)
+    assert not sdpa.own_attention and not exact.own_attention
+    prompt = torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(8)).tolist()
+    errors = {}
+    for name, d in (("own", own), ("sdpa", sdpa), ("f32", exact)):
+        cache = KVCache(d.config, slots=2, ctx=128, dtype=d.dtype, device=CPU)
+        d.forward(Batch.build([(1, 0, prompt)]), cache)
+        steps = []
+        for i, tok in enumerate([5, 17, 99, 3, 64, 2, 80, 11, 42, 7, 120, 33]):
+            steps.append(d.forward(Batch.build([(1, 70 + i, [tok])], decode=(True,)), cache)[0])
+        errors[name] = torch.stack(steps)
+    scale = errors["f32"].abs().max().item()
+    own_err = (errors["own"] - errors["f32"]).abs().max().item()
+    sdpa_err = (errors["sdpa"] - errors["f32"]).abs().max().item()
+    assert own_err <= 2 * sdpa_err + 0.01 * scale, (own_err, sdpa_err, scale)
+    assert not torch.equal(errors["own"], errors["sdpa"]), "the two paths are not the same code"
