@@ -20,6 +20,9 @@ Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto] [
        the bound stays the dense model's, so int4 can pass 100%)
        [--linears own|onednn]   (bf16 dense linears on mashbox's kernel, the default where
        the CPU has AVX512-BF16, or on oneDNN, for a side-by-side)
+       [--decode c|loop|sdpa]   (decode steps' layers in one C call with csrc's attention,
+       the default where it runs; `loop`: the same calls made from Python's layer loop;
+       `sdpa`: that loop with decode attention on SDPA)
 
 Besides the copy bandwidth (the bound), the same run measures a read-only stream (a sum
 over a large bfloat16 tensor): decode only reads weights, and on this project's CPU a
@@ -158,6 +161,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"))
     ap.add_argument("--linears", default="own", choices=("own", "onednn"))
+    ap.add_argument("--decode", default="c", choices=("c", "loop", "sdpa"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     path = args.model
@@ -169,7 +173,7 @@ def main() -> int:
                        dtype=args.dtype, device=args.device, threads=args.threads)
     engine = Engine(cfg)
     r = engine.runner
-    if args.weights != "dense" or args.linears != "own":
+    if args.weights != "dense" or args.linears != "own" or args.decode != "c":
         # rebuild the runner's decoder in place with the asked-for linears
         from mashbox.model import loader
         from mashbox.model.decoder import Decoder
@@ -177,7 +181,8 @@ def main() -> int:
         del r.decoder
         w = loader.load(path, r.dtype, r.device)
         r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights,
-                            own_kernel=args.linears == "own")
+                            own_kernel=args.linears == "own", own_attention=args.decode != "sdpa",
+                            own_layers=args.decode == "c")
     ForwardTimer(r.decoder)
     decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches
     rates, steps, fwd = {1: 0.0, 4: 0.0, 8: 0.0}, {}, {}
@@ -205,7 +210,9 @@ def main() -> int:
     print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
           f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step "
           f"(dense; weights {args.weights}; linears "
-          f"{'own kernel' if getattr(r.decoder, 'own_kernel', False) else 'oneDNN / torch'}); "
+          f"{'own kernel' if getattr(r.decoder, 'own_kernel', False) else 'oneDNN / torch'}; decode "
+          f"{'layers in C' if r.decoder._c_layers is not None else 'layer loop in Python'}, attention "
+          f"{'csrc' if r.decoder.own_attention else 'SDPA'}); "
           f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s (read + write) -> bound {bound:.1f} steps/s; "

@@ -15,7 +15,7 @@
  *           a later block with a larger max m' scales l and acc by e(m - m') first;
  *           p_k = e(s_k - m), then l = l + p_k and acc = acc + p_k * v_k, key by key;
  *   out   = bfloat16(acc / l), nearest even;
- * e(x) is mb_att_exp below (not libm's, so numpy can repeat it). A query's bits depend
+ * e(x) is mb_exp in bf16.h (not libm's, so numpy can repeat it). A query's bits depend
  * on its own vector, its keys and its position only: not on the other rows of the call,
  * the thread that runs it, or how its slot's cache was filled.
  *
@@ -46,23 +46,6 @@ struct mb_att_job {
     int64_t next; /* the next work item: atomically advanced */
     void (*run)(const struct mb_att_job *, int64_t item);
 };
-
-/* e^x for x <= 0 (0 below -80): Cody-Waite reduction by ln 2 (the nearest integer by
- * adding and taking away 1.5 * 2^23), Cephes' degree-6 polynomial, times 2^n. */
-static inline float mb_att_exp(float x) {
-    float y = x < -80.0f ? -80.0f : x;
-    float n = (y * 1.44269504f + 12582912.0f) - 12582912.0f;
-    float r = (y - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * (r * r) + r) + 1.0f;
-    float two_n = mb_bits_f32((uint32_t)((int32_t)n + 127) << 23);
-    return x < -80.0f ? 0.0f : p * two_n;
-}
 
 static inline float mb_att_dot(const float *a, const float *b, int32_t dim) {
     float lane[MB_ATT_LANES];
@@ -120,14 +103,14 @@ static void mb_att_item(const struct mb_att_job *j, int64_t item) {
             if (b == lo) {
                 m[g] = top, l[g] = 0.0f;
             } else if (top > m[g]) { /* e(m - top) scales what the earlier blocks summed */
-                float c = mb_att_exp(m[g] - top);
+                float c = mb_exp(m[g] - top);
                 l[g] = l[g] * c;
                 for (int32_t d = 0; d < D; d++)
                     acc[g][d] = acc[g][d] * c;
                 m[g] = top;
             }
             for (int32_t i = 0; i < n; i++)
-                s[g][i] = mb_att_exp(s[g][i] - m[g]);
+                s[g][i] = mb_exp(s[g][i] - m[g]);
         }
         for (int32_t i = 0; i < n; i++) {
             const uint16_t *v = vh + (size_t)(b + i) * D;
@@ -159,7 +142,7 @@ static inline MB_ATT_TARGET __m512 mb_att_load_bf16(const uint16_t *p) { /* 16 b
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-static inline MB_ATT_TARGET __m512 mb_att_exp16(__m512 x) { /* mb_att_exp on 16 lanes */
+static inline MB_ATT_TARGET __m512 mb_exp16(__m512 x) { /* mb_exp on 16 lanes */
     const __m512 lim = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f);
     __mmask16 low = _mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ);
     __m512 y = _mm512_mask_blend_ps(low, x, lim);
@@ -247,7 +230,7 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
             if (b == lo) {
                 m[g] = top, l[g] = 0.0f;
             } else if (top > m[g]) {
-                float c = mb_att_exp(m[g] - top);
+                float c = mb_exp(m[g] - top);
                 __m512 cv = _mm512_set1_ps(c);
                 l[g] = l[g] * c;
                 for (int32_t v = 0; v < V; v++)
@@ -257,7 +240,7 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
             __m512 mv = _mm512_set1_ps(m[g]);
             for (int32_t i = 0; i < n; i += 16) {
                 __mmask16 k = i + 16 <= n ? (__mmask16)0xffffu : tail;
-                _mm512_mask_store_ps(s[g] + i, k, mb_att_exp16(_mm512_sub_ps(_mm512_maskz_load_ps(k, s[g] + i), mv)));
+                _mm512_mask_store_ps(s[g] + i, k, mb_exp16(_mm512_sub_ps(_mm512_maskz_load_ps(k, s[g] + i), mv)));
             }
         }
         for (int32_t i = 0; i < n; i++) {

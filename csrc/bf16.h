@@ -40,4 +40,21 @@ static inline uint16_t mb_round_bf16(float f) { /* nearest even; NaN stays NaN (
 
 static inline float mb_bf16_f32(uint16_t b) { return mb_bits_f32((uint32_t)b << 16); }
 
+/* e^x for x <= 0 (0 below -80): Cody-Waite reduction by ln 2 (the nearest integer by
+ * adding and taking away 1.5 * 2^23), Cephes' degree-6 polynomial, times 2^n. */
+static inline float mb_exp(float x) {
+    float y = x < -80.0f ? -80.0f : x;
+    float n = (y * 1.44269504f + 12582912.0f) - 12582912.0f;
+    float r = (y - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * (r * r) + r) + 1.0f;
+    float two_n = mb_bits_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < -80.0f ? 0.0f : p * two_n;
+}
+
 #endif /* MASHBOX_BF16_H */

@@ -370,3 +370,24 @@ int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_
     }
     return MB_OK;
 }
+
+/* silu(gate) * up, rounded once; silu(g) = g / (1 + e^-g) with e = mb_exp(-|g|) so the
+ * exponent is never positive: g / (1 + e) for g >= 0, (g * e) / (1 + e) below. */
+MB_NORM_CLONES
+int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
+                     int64_t ldo) {
+    if (m < 0 || n < 1 || ldx < 2 * (int64_t)n || ldo < n)
+        return MB_EINVAL;
+    for (int32_t r = 0; r < m; r++) {
+        const uint16_t *gate = x + (size_t)r * ldx, *up = gate + n;
+        uint16_t *o = out + (size_t)r * ldo;
+        for (int32_t i = 0; i < n; i++) {
+            float g = mb_bf16_f32(gate[i]);
+            float e = mb_exp(-fabsf(g));
+            float d = 1.0f + e;
+            float s = g >= 0.0f ? g / d : (g * e) / d;
+            o[i] = mb_round_bf16(s * mb_bf16_f32(up[i]));
+        }
+    }
+    return MB_OK;
+}

@@ -113,6 +113,12 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
                     float eps, uint16_t *out, int64_t ldo);
 
+/* The MLP's activation on m rows of x ([gate | up], n each, rows ldx apart, bfloat16):
+ * out = bfloat16(silu(gate) * up) in float32, rows ldo apart; silu(g) = g / (1 + e) for
+ * g >= 0, else (g * e) / (1 + e), e = e^-|g| by csrc's own exp (bf16.h). */
+int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
+                     int64_t ldo);
+
 /* Rotary embedding and the K/V cache write of t tokens (bfloat16 bits). Row i of qkv
  * (ldq apart) is [heads + 2 * kv_heads, head_dim]: q heads, k heads, v heads. For each
  * q and k head, x' = x * cos[p] + swap(x) * sin[p] in float32 (two products, one add,
@@ -141,5 +147,34 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
                       const uint16_t *k_cache, const uint16_t *v_cache, int32_t n_slots,
                       int32_t capacity, uint16_t *out, int64_t ldo, int32_t kernel,
                       void *parallel, int32_t threads);
+
+/* One decoder layer's weights for mb_bf16_decode_layers (addresses in the model's own
+ * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack; biases
+ * float32 or NULL. */
+struct mb_layer {
+    const uint16_t *input_norm;
+    const uint16_t *qkv;
+    const float *qkv_bias;
+    const uint16_t *o;
+    const float *o_bias;
+    const uint16_t *post_norm;
+    const uint16_t *gate_up;
+    const uint16_t *down;
+};
+
+/* t decode rows (one token each) through n_layers Llama-style layers (csrc/layers.c lists
+ * the calls), x [t, hidden] bfloat16 updated in place. positions, slots: each row's;
+ * rows = 0 .. t-1 and ends = positions + 1 for the attention (mb_bf16_attention); the
+ * caches of layer l start layer_stride elements after layer l - 1's; scratch holds
+ * t * (hidden + (heads + 2 kv_heads + heads) * head_dim + 3 * intermediate) bfloat16.
+ * The first failing call's status is returned (its checks run before it writes). */
+int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32_t hidden,
+                          int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t intermediate,
+                          float eps, uint16_t *x, int32_t t, const int64_t *positions,
+                          const int64_t *rows, const int64_t *slots, const int64_t *ends,
+                          const uint16_t *cos, const uint16_t *sin, int32_t table_rows,
+                          uint16_t *k_cache, uint16_t *v_cache, int64_t layer_stride,
+                          int32_t n_slots, int32_t capacity, int32_t window, float scale,
+                          uint16_t *scratch, int32_t kernel, void *parallel, int32_t threads);
 
 #endif /* MASHBOX_H */

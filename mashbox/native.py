@@ -380,6 +380,54 @@ def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.
                        out.shape[1], bf16_kernel() if kernel is None else kernel, 0, 1)
 
 
+def bf16_silu_mul_ptr(x: int, ldx: int, m: int, n: int, out: int, ldo: int) -> None:
+    """mb_bf16_silu_mul on addresses; see csrc/mashbox.h."""
+    _check(_lib.mb_bf16_silu_mul(_ffi.cast("uint16_t *", x), ldx, m, n, _ffi.cast("uint16_t *", out), ldo),
+           "bf16_silu_mul")
+
+
+def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
+    """native_ref.bf16_silu_mul through C: x uint16[m, 2n] ([gate | up]) -> uint16[m, n]."""
+    x = _array(x, np.uint16, "x", 2)
+    if x.shape[1] < 2 or x.shape[1] % 2:
+        raise ValueError(f"x must hold [gate | up] halves of equal width, got shape {x.shape}")
+    if _lib is None:
+        return native_ref.bf16_silu_mul(x)
+    n = x.shape[1] // 2
+    out = np.empty((x.shape[0], n), dtype=np.uint16)
+    bf16_silu_mul_ptr(x.ctypes.data, x.shape[1], x.shape[0], n, out.ctypes.data, n)
+    return out
+
+
+def bf16_layers(layers: Sequence[dict[str, int]]):
+    """A C array of struct mb_layer (csrc/mashbox.h) from one dict of addresses per layer
+    (keys: its fields; 0 for a missing bias). Keep it alive while mb_bf16_decode_layers
+    may run on it."""
+    arr = _ffi.new("struct mb_layer[]", len(layers))
+    for i, layer in enumerate(layers):
+        for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
+            setattr(arr[i], name, _ffi.cast("uint16_t *", layer[name]))
+        for name in ("qkv_bias", "o_bias"):
+            setattr(arr[i], name, _ffi.cast("float *", layer.get(name, 0)))
+    return arr
+
+
+def bf16_decode_layers_ptr(layers, n_layers: int, hidden: int, heads: int, kv_heads: int,
+                           head_dim: int, intermediate: int, eps: float, x: int, t: int,
+                           positions: int, rows: int, slots: int, ends: int, cos: int, sin: int,
+                           table_rows: int, k_cache: int, v_cache: int, layer_stride: int,
+                           n_slots: int, capacity: int, window: int, scale: float, scratch: int,
+                           kernel: int, parallel: int, threads: int) -> None:
+    """mb_bf16_decode_layers; layers from bf16_layers, the rest addresses; see csrc/mashbox.h."""
+    u16, i64 = "uint16_t *", "int64_t *"
+    _check(_lib.mb_bf16_decode_layers(
+        layers, n_layers, hidden, heads, kv_heads, head_dim, intermediate, eps, _ffi.cast(u16, x), t,
+        _ffi.cast(i64, positions), _ffi.cast(i64, rows), _ffi.cast(i64, slots), _ffi.cast(i64, ends),
+        _ffi.cast(u16, cos), _ffi.cast(u16, sin), table_rows, _ffi.cast(u16, k_cache),
+        _ffi.cast(u16, v_cache), layer_stride, n_slots, capacity, window, scale, _ffi.cast(u16, scratch),
+        kernel, _ffi.cast("void *", parallel), threads), "bf16_decode_layers")
+
+
 def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """native_ref.bf16_rmsnorm through C."""
     x = _array(x, np.uint16, "x", 2)

@@ -57,6 +57,7 @@ Decode attention (`bf16_attention`; csrc/attention.c states the rule): per query
 float32 dot products in 16 lanes, an online softmax over blocks of 64 keys with our own
 exp (`att_exp`, float32 operations that numpy and C both round alike), the output
 rounded once to bfloat16. A row depends on its own query, keys and end only.
+The MLP's activation (`bf16_silu_mul`) takes the same exp.
 """
 from __future__ import annotations
 
@@ -435,3 +436,15 @@ def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.
                             l = f(l + p[i])
                             acc = acc + p[i] * vf[b + i]
                     out[rows[r], head * D:(head + 1) * D] = f32_to_bf16(acc / l)
+
+
+def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
+    """As mb_bf16_silu_mul: x uint16[m, 2n] ([gate | up] bfloat16 bits) -> uint16[m, n],
+    bfloat16(silu(gate) * up) in float32 with e = att_exp(-|gate|)."""
+    n = x.shape[1] // 2
+    g, u = bf16_to_f32(x[:, :n]), bf16_to_f32(x[:, n:2 * n])
+    with np.errstate(all="ignore"):
+        e = att_exp(-np.abs(g))
+        d = np.float32(1.0) + e
+        s = np.where(g >= np.float32(0.0), g / d, (g * e) / d)
+        return f32_to_bf16(s * u)

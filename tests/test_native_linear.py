@@ -270,3 +270,27 @@ def test_weight_arena_hands_out_aligned_parts_and_refuses_more():
     with pytest.raises(ValueError, match="packs to"):
         linear.BF16Linear(w, into=torch.empty(10, dtype=torch.uint8))
 
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 70), st.data())
+def test_silu_mul_matches_the_reference(m, n, data):
+    x = _matrix(data.draw, (m, 2 * n))
+    want = native_ref.bf16_silu_mul(x)
+    got = native.bf16_silu_mul(x)
+    nan = np.isnan(native_ref.bf16_to_f32(want))  # inf * 0 and the like
+    assert np.array_equal(np.isnan(native_ref.bf16_to_f32(got)), nan)
+    assert np.array_equal(got[~nan], want[~nan])
+
+
+def test_silu_mul_is_close_to_torch_and_refuses_odd_widths():
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 2 * 1536, generator=gen) * 3).bfloat16()
+    x[0, :4] = torch.tensor([-100.0, -88.0, 0.0, 100.0])  # far below and above exp's range
+    gate, up = x.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = linear.silu_mul(x).float()
+    assert (got - want).abs().max().item() <= 2 ** -8 * want.abs().max().item()
+    assert torch.equal(linear.silu_mul(x[2:3]), linear.silu_mul(x)[2:3])
+    with pytest.raises(ValueError, match="halves"):
+        native.bf16_silu_mul(np.zeros((1, 3), np.uint16))

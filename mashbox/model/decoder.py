@@ -58,6 +58,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from mashbox import native
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
@@ -121,7 +122,8 @@ class _Layer:
 class Decoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, batch_invariant: Optional[bool] = None, weights: str = "dense",
-                 own_kernel: Optional[bool] = None, own_attention: Optional[bool] = None):
+                 own_kernel: Optional[bool] = None, own_attention: Optional[bool] = None,
+                 own_layers: Optional[bool] = None):
         if weights not in WEIGHT_FORMATS:
             raise ModelError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
         if weights != "dense" and not (dtype == torch.bfloat16 and _packs_linears(torch.device(device), dtype)):
@@ -186,6 +188,9 @@ class Decoder:
         # decode rows (Batch.row_decode) attend on csrc's kernel (model/attention.py) where
         # it runs; own_attention=False keeps SDPA for them (a side-by-side)
         self.own_attention = attention.supported(config, dtype, self.device) and own_attention is not False
+        # a step of decode rows only runs its layers in one csrc call (csrc/layers.c) where
+        # every piece of a layer runs in csrc; own_layers=False keeps the calls in Python
+        self._c_layers = self._layers_for_c() if own_layers is not False else None
 
     def _pack_weights(self, weights: str) -> None:
         """Reorder every linear weight into oneDNN's blocked layout, once. Measured on this
@@ -235,6 +240,44 @@ class Decoder:
             # plain copy is freed (the default model: 56 MB)
             self.embed = None
 
+    def _layers_for_c(self):
+        """native.bf16_layers of every layer when all of a decode step's layers can run in
+        csrc (own kernel, dense weights, own attention, no q/k norm), else None."""
+        if not (self.own_kernel and self.own_attention and self.weights == "dense"):
+            return None
+        entries = []
+        for layer in self.layers:
+            ws = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if layer.qk_norm is not None or not all(isinstance(w, BF16Linear) for w in ws):
+                return None
+            layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
+            entries.append(dict(
+                input_norm=layer.input_norm.data_ptr(), post_norm=layer.post_norm.data_ptr(),
+                qkv=layer.qkv.packed.data_ptr(), o=layer.o.packed.data_ptr(),
+                gate_up=layer.gate_up.packed.data_ptr(), down=layer.down.packed.data_ptr(),
+                qkv_bias=0 if layer.qkv.bias is None else layer.qkv.bias.data_ptr(),
+                o_bias=0 if layer.o.bias is None else layer.o.bias.data_ptr()))
+        return native.bf16_layers(entries)
+
+    def _layers_in_c(self, x: torch.Tensor, positions: torch.Tensor, plan: "_Plan", cache: KVCache,
+                     rope: RopeTable) -> None:
+        """Every layer of a step whose rows all decode on csrc's attention, in one csrc call
+        (csrc/layers.c): the calls forward's own-kernel path makes from Python, in the same
+        order, so the same bits; x [T, hidden] is updated in place."""
+        c, own = self.config, plan.own
+        T = int(x.shape[0])
+        qkv_n = c.q_size + 2 * c.kv_size
+        scratch = torch.empty(T * (c.hidden_size + qkv_n + c.q_size + 3 * c.intermediate_size),
+                              dtype=torch.bfloat16)
+        positions = positions.contiguous()
+        native.bf16_decode_layers_ptr(
+            self._c_layers, len(self.layers), c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.rms_norm_eps, x.data_ptr(), T, positions.data_ptr(), own.rows.data_ptr(),
+            own.slots.data_ptr(), own.ends.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+            int(rope.cos.shape[0]), cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0), cache.slots,
+            int(cache.k.shape[3]), own.window, own.scale, scratch.data_ptr(), self.layers[0].qkv.kernel,
+            linear.parallel(), torch.get_num_threads())
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[T] token ids -> [T, hidden] rows of the embedding."""
         if self.embed is None:
@@ -257,6 +300,14 @@ class Decoder:
         if self.own_kernel:
             return linear.rms_norm(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[M, 2 intermediate] ([gate | up]) -> [M, intermediate] silu(gate) * up: csrc's on
+        the own kernel's path (rounded once)."""
+        if self.own_kernel:
+            return linear.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _residual(self, x: torch.Tensor, inp: torch.Tensor, w: _Weight,
                   b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -294,8 +345,12 @@ class Decoder:
         H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = self._embed(ids)  # [Tp, hidden]
-        attn = torch.zeros(Tp, c.q_size, dtype=self.dtype, device=self.device)  # [Tp, heads * head_dim]
-        for li, layer in enumerate(self.layers):
+        in_c = self._c_layers is not None and plan.own is not None and plan.own.count == T == Tp
+        if in_c:
+            self._layers_in_c(x, batch.positions, plan, cache, rope)
+        else:
+            attn = torch.zeros(Tp, c.q_size, dtype=self.dtype, device=self.device)  # [Tp, heads * head_dim]
+        for li, layer in enumerate(() if in_c else self.layers):
             h = self._norm(x, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)  # [Tp, (heads + 2 kv_heads) * head_dim]
             qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
@@ -317,8 +372,7 @@ class Decoder:
             plan.attend(q, k_cache, v_cache, attn)
             x = self._residual(x, attn, layer.o, layer.o_bias)
             h = self._norm(x, layer.post_norm, eps)
-            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)  # [Tp, intermediate] each
-            x = self._residual(x, F.silu(gate) * up, layer.down)
+            x = self._residual(x, self._act(self._linear(h, layer.gate_up)), layer.down)
         last = x[plan.last_tokens]  # [rows, hidden]
         rows = last.shape[0]
         if self.batch_invariant and rows < self._min_rows:

@@ -136,6 +136,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [M, 2 I] bfloat16 ([gate | up], unit stride along it) -> [M, I] silu(gate) * up,
+    rounded once: csrc's mb_bf16_silu_mul (one call instead of chunk, silu and mul)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n = int(x.shape[1]) // 2
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    native.bf16_silu_mul_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), n, out.data_ptr(), n)
+    return out
+
+
 @dataclass(slots=True)
 class Int8Weight:
     """Weight-only int8, symmetric per output row: w ~= q * scale."""

@@ -294,3 +294,36 @@ def test_decode_attention_is_as_close_to_float32_as_sdpa(tmp_path, variant):
     sdpa_err = (errors["sdpa"] - errors["f32"]).abs().max().item()
     assert own_err <= 2 * sdpa_err + 0.01 * scale, (own_err, sdpa_err, scale)
     assert not torch.equal(errors["own"], errors["sdpa"]), "the two paths are not the same code"
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen2", "qwen3_tied"])
+def test_decode_layers_in_one_c_call_give_the_python_paths_bits(tmp_path, variant):
+    """A step of decode rows only runs its layers in one csrc call (csrc/layers.c); the
+    same step through forward's Python loop (own_layers=False) gives the same logits and
+    K/V, alone and at batch 3, with biases (qwen2), a window (mistral_window) and tied
+    embeddings. Models with q/k norms (qwen3) keep the Python loop."""
+    path = str(make_tiny(tmp_path, variant))
+    in_c = _decoder(path, torch.bfloat16)
+    weights = loader.load(path, torch.bfloat16, CPU)
+    in_py = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU, own_layers=False)
+    if variant == "qwen3_tied":
+        assert in_c._c_layers is None
+        return
+    if in_c._c_layers is None:
+        pytest.skip("the own kernels do not run here (no AVX512-BF16)")
+    assert in_py._c_layers is None
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 12, 70)]
+    outs, caches = [], []
+    for d in (in_c, in_py):
+        cache = KVCache(d.config, slots=3, ctx=128, dtype=torch.bfloat16, device=CPU)
+        for s, p in enumerate(prompts):
+            d.forward(Batch.build([(s, 0, p)]), cache)
+        steps = [d.forward(Batch.build([(0, 40, [3])], decode=(True,)), cache)]
+        for i in range(4):
+            rows = [(2, 70 + i, [9 + i]), (0, 41 + i, [5]), (1, 12 + i, [100 - i])]
+            steps.append(d.forward(Batch.build(rows, decode=(True,) * 3), cache))
+        outs.append(torch.cat(steps))
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
