@@ -41,8 +41,9 @@ class Row:
 
     @property
     def decode(self) -> bool:
-        """The row feeds a token the model generated (it starts past the prompt)."""
-        return self.start >= self.request.num_prompt
+        """The row feeds the one token the model generated last (a decode step): it starts
+        past the prompt and holds one token."""
+        return self.start >= self.request.num_prompt and len(self.token_ids) == 1
 
 
 @dataclass(frozen=True)
