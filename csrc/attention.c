@@ -60,6 +60,25 @@ static inline float mb_att_dot(const float *a, const float *b, int32_t dim) {
     return lane[0];
 }
 
+/* A block's scores s[0 .. n) of one query head against its running max *m: the first
+ * block sets *m and *l = 0; a block with a larger max scales *l and acc[0 .. dim) by
+ * e(m - max), what the earlier blocks summed, and takes its max. */
+static inline void mb_att_rescale(const float *s, int32_t n, int first, float *m, float *l,
+                                  float *acc, int32_t dim) {
+    float top = s[0];
+    for (int32_t i = 1; i < n; i++)
+        top = s[i] > top ? s[i] : top;
+    if (first) {
+        *m = top, *l = 0.0f;
+    } else if (top > *m) {
+        float c = mb_exp(*m - top);
+        *l = *l * c;
+        for (int32_t d = 0; d < dim; d++)
+            acc[d] = acc[d] * c;
+        *m = top;
+    }
+}
+
 /* Built for AVX-512 and AVX2 too where GCC can pick clones at load time: the same IEEE
  * operations, so the same bits. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
@@ -97,18 +116,7 @@ static void mb_att_item(const struct mb_att_job *j, int64_t item) {
                 s[g][i] = mb_att_dot(qf[g], kf, D) * j->scale;
         }
         for (int32_t g = 0; g < G; g++) {
-            float top = s[g][0];
-            for (int32_t i = 1; i < n; i++)
-                top = s[g][i] > top ? s[g][i] : top;
-            if (b == lo) {
-                m[g] = top, l[g] = 0.0f;
-            } else if (top > m[g]) { /* e(m - top) scales what the earlier blocks summed */
-                float c = mb_exp(m[g] - top);
-                l[g] = l[g] * c;
-                for (int32_t d = 0; d < D; d++)
-                    acc[g][d] = acc[g][d] * c;
-                m[g] = top;
-            }
+            mb_att_rescale(s[g], n, b == lo, &m[g], &l[g], acc[g], D);
             for (int32_t i = 0; i < n; i++)
                 s[g][i] = mb_exp(s[g][i] - m[g]);
         }
@@ -224,19 +232,7 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
         }
         __mmask16 tail = (__mmask16)(n % 16 ? (1u << (n % 16)) - 1u : 0xffffu);
         for (int32_t g = 0; g < G; g++) {
-            float top = s[g][0];
-            for (int32_t i = 1; i < n; i++)
-                top = s[g][i] > top ? s[g][i] : top;
-            if (b == lo) {
-                m[g] = top, l[g] = 0.0f;
-            } else if (top > m[g]) {
-                float c = mb_exp(m[g] - top);
-                __m512 cv = _mm512_set1_ps(c);
-                l[g] = l[g] * c;
-                for (int32_t v = 0; v < V; v++)
-                    _mm512_store_ps(acc[g] + 16 * v, _mm512_mul_ps(_mm512_load_ps(acc[g] + 16 * v), cv));
-                m[g] = top;
-            }
+            mb_att_rescale(s[g], n, b == lo, &m[g], &l[g], acc[g], D);
             __m512 mv = _mm512_set1_ps(m[g]);
             for (int32_t i = 0; i < n; i += 16) {
                 __mmask16 k = i + 16 <= n ? (__mmask16)0xffffu : tail;
