@@ -22,7 +22,11 @@ Rules:
 - Decode rows (Batch.row_decode: the row feeds a token the model generated) attend on
   csrc's kernel (model/attention.py) in bfloat16 where the CPU runs it: one call per
   layer for all of them, each query alone over its own keys. Prompt rows, and decode rows
-  elsewhere, attend through SDPA.
+  elsewhere, attend through SDPA. A step whose rows all decode that way runs every layer
+  in one csrc call (csrc/layers.c: the same calls as the loop below, in its order, so the
+  same bits). Measured on this project's CPU, default model, batch-1 decode in
+  consecutive runs: SDPA and the Python loop 113 tok/s, csrc's attention 128, the
+  layers in one call 150-157.
 - GQA never materialises repeated K/V: a row's q is viewed as [kv_heads, group * n,
   head_dim] against the slot's [kv_heads, L, head_dim] keys (batch_invariant), or prefill
   uses SDPA's enable_gqa.
