@@ -79,17 +79,8 @@ static inline void mb_att_rescale(const float *s, int32_t n, int first, float *m
     }
 }
 
-/* Built for AVX-512 and AVX2 too where GCC can pick clones at load time: the same IEEE
- * operations, so the same bits. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    defined(__GLIBC__)
-#define MB_ATT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define MB_ATT_CLONES
-#endif
-
 /* Row r = item / kv_heads, K/V head h = item % kv_heads: its group of query heads. */
-MB_ATT_CLONES
+MB_CLONES
 static void mb_att_item(const struct mb_att_job *j, int64_t item) {
     int32_t r = (int32_t)(item / j->kv_heads), h = (int32_t)(item % j->kv_heads);
     int32_t G = j->heads / j->kv_heads, D = j->head_dim;
@@ -259,10 +250,6 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
             o[(size_t)g * D + d] = mb_round_bf16(acc[g][d] / l[g]);
 }
 
-static int mb_att_has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
 #endif
 
 static void mb_att_worker(void *data) {
@@ -306,7 +293,7 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_att_item;
 #if MB_ATT_HAVE_AVX512
-    else if (kernel == MB_KERNEL_AVX512BF16 && mb_att_has_avx512())
+    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
         j.run = mb_att_item_avx512;
 #endif
     else

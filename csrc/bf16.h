@@ -10,6 +10,16 @@
 #define MB_ATOMICS 1 /* __atomic builtins: the work handout across threads */
 #endif
 
+/* Functions built for AVX-512 and AVX2 too where GCC can pick clones at load time: the
+ * same IEEE operations in every clone (no fused multiply-adds: -ffp-contract=off), so
+ * the same bits. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    defined(__GLIBC__)
+#define MB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MB_CLONES
+#endif
+
 /* libgomp's GOMP_parallel, passed in by the caller (torch's OpenMP pool) */
 typedef void (*mb_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
                                unsigned flags);

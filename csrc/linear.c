@@ -299,15 +299,7 @@ int mb_bf16_gather_rows(const uint16_t *packed, int32_t n, int32_t k, const int6
     return MB_OK;
 }
 
-/* Built for AVX2 too where GCC can pick clones at load time: the same IEEE operations. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    defined(__GLIBC__)
-#define MB_NORM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MB_NORM_CLONES
-#endif
-
-MB_NORM_CLONES
+MB_CLONES
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
                     float eps, uint16_t *out, int64_t ldo) {
     if (m < 0 || k < 1 || ldx < k || ldo < k)
@@ -373,7 +365,7 @@ int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_
 
 /* silu(gate) * up, rounded once; silu(g) = g / (1 + e^-g) with e = mb_exp(-|g|) so the
  * exponent is never positive: g / (1 + e) for g >= 0, (g * e) / (1 + e) below. */
-MB_NORM_CLONES
+MB_CLONES
 int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
                      int64_t ldo) {
     if (m < 0 || n < 1 || ldx < 2 * (int64_t)n || ldo < n)

@@ -279,7 +279,7 @@ class Decoder:
             c.intermediate_size, c.rms_norm_eps, x.data_ptr(), T, positions.data_ptr(), own.rows.data_ptr(),
             own.slots.data_ptr(), own.ends.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
             int(rope.cos.shape[0]), cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0), cache.slots,
-            int(cache.k.shape[3]), own.window, own.scale, scratch.data_ptr(), self.layers[0].qkv.kernel,
+            cache.capacity, own.window, own.scale, scratch.data_ptr(), self.layers[0].qkv.kernel,
             linear.parallel(), torch.get_num_threads())
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
