@@ -1,4 +1,4 @@
-"""What a model path holds, read without torch: format, architecture, trained context.
+"""What a model path holds, read without torch or numpy: format, architecture, trained context.
 
 The CLI checks a model here before it starts the server and the worker, so that a
 missing file, a corrupt GGUF or an unsupported architecture ends with a clear message
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from mashbox import gguf_meta
 
 # What the model layer runs (torch-free module): HF model_type values, and GGUF
 # general.architecture values (a narrower set: no "mistral").
@@ -28,26 +30,23 @@ class ModelFile:
 
 
 def _gguf(path: Path) -> ModelFile:
-    import gguf  # numpy only; memory-maps the file
-
     try:
-        reader = gguf.GGUFReader(str(path))
-        arch_field = reader.fields.get("general.architecture")
-        if arch_field is None:
-            raise ModelFileError(f"{path}: GGUF file without general.architecture")
-        arch = arch_field.contents()
-        ctx_field = reader.fields.get(f"{arch}.context_length")
-        ctx = int(ctx_field.contents()) if ctx_field is not None else 0
-        # A truncated file must fail here, not in the worker: every tensor's bytes lie
-        # inside the file.
-        size = path.stat().st_size
-        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-        if end > size:
-            raise ModelFileError(f"{path}: truncated GGUF file ({size} bytes, tensors need {end})")
-    except ModelFileError:
-        raise
-    except Exception as e:  # gguf raises ValueError, IndexError, struct errors...
-        raise ModelFileError(f"{path}: corrupt or unreadable GGUF file ({type(e).__name__}: {e})") from e
+        meta = gguf_meta.read(path)
+    except gguf_meta.GGUFMetaError as e:
+        raise ModelFileError(f"{path}: corrupt or unreadable GGUF file ({e})") from e
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read the file ({e.strerror})") from e
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{path}: GGUF file without general.architecture")
+    ctx = meta.get(f"{arch}.context_length", 0)
+    if not isinstance(ctx, int) or isinstance(ctx, bool) or ctx < 0:
+        raise ModelFileError(f"{path}: {arch}.context_length is {ctx!r}, not a count of tokens")
+    # A truncated file must fail here, not in the worker: every tensor's bytes lie inside
+    # the file.
+    if meta.data_end > meta.file_size:
+        raise ModelFileError(f"{path}: truncated GGUF file ({meta.file_size} bytes, tensors need "
+                             f"{meta.data_end})")
     return ModelFile(path, "gguf", arch, ctx)
 
 

@@ -11,10 +11,10 @@ Rules:
 - `decode(ids)` skips special tokens (BOS, EOS, control tokens) and keeps added
   non-special ones.
 - A GGUF file carries no tokenizer.json: the vocabulary, merges, scores and token types
-  are metadata, read with gguf.GGUFReader (memory mapped, numpy only). Two models are
-  built from it: "gpt2" (byte-level BPE with merges; the split regex chosen by
-  `tokenizer.ggml.pre`) and "llama" (SentencePiece-style BPE with byte fallback, merges
-  derived from the scores when the file has none).
+  are metadata, read with mashbox.gguf_meta (pure Python: the server process imports
+  no numpy). Two models are built from it: "gpt2" (byte-level BPE with merges; the split
+  regex chosen by `tokenizer.ggml.pre`) and "llama" (SentencePiece-style BPE with byte
+  fallback, merges derived from the scores when the file has none).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from typing import Iterable, Optional, Sequence
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from mashbox import gguf_meta
 
 log = logging.getLogger(__name__)
 
@@ -261,48 +263,28 @@ def _load_hf_folder(folder: str) -> Tokenizer:
     )
 
 
-def _gguf_value(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def _gguf_array(reader, key: str):
-    """A numeric array field as one numpy array (a view of the memory map where possible)."""
-    import numpy as np
-
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    if not f.data:
-        return np.zeros(0)
-    return np.concatenate([f.parts[i] for i in f.data])
-
-
 def _load_gguf(path: str) -> Tokenizer:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf raises plain ValueError / struct errors on corrupt files
+        meta = gguf_meta.read(path, tensors=False)
+    except (OSError, gguf_meta.GGUFMetaError) as e:
         raise TokenizerError(f"{path}: not a readable GGUF file ({e})") from e
+    get = meta.get
 
-    kind = _gguf_value(reader, "tokenizer.ggml.model")
-    tokens = _gguf_value(reader, "tokenizer.ggml.tokens")
+    kind = get("tokenizer.ggml.model")
+    tokens = get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise TokenizerError(f"{path}: no tokenizer in the GGUF metadata")
-    types = _gguf_array(reader, "tokenizer.ggml.token_type")
+    types = get("tokenizer.ggml.token_type")
     types = [int(t) for t in types] if types is not None else [TOKEN_NORMAL] * len(tokens)
-    merges = _gguf_value(reader, "tokenizer.ggml.merges")
-    pre = _gguf_value(reader, "tokenizer.ggml.pre", "default")
+    merges = get("tokenizer.ggml.merges")
+    pre = get("tokenizer.ggml.pre", "default")
 
     if kind == "gpt2":
         hf, skipped = _byte_level_bpe(tokens, types, merges or [], pre)
     elif kind == "llama":
-        scores = _gguf_array(reader, "tokenizer.ggml.scores")
-        unk_id = _gguf_value(reader, "tokenizer.ggml.unknown_token_id")
-        add_space = _gguf_value(reader, "tokenizer.ggml.add_space_prefix", True)
+        scores = get("tokenizer.ggml.scores")
+        unk_id = get("tokenizer.ggml.unknown_token_id")
+        add_space = get("tokenizer.ggml.add_space_prefix", True)
         hf = _sentencepiece_bpe(tokens, types, merges, scores, unk_id, bool(add_space))
         skipped = set()
     else:
@@ -311,7 +293,7 @@ def _load_gguf(path: str) -> Tokenizer:
         )
 
     def token_at(key: str) -> tuple[Optional[int], Optional[str]]:
-        tid = _gguf_value(reader, key)
+        tid = get(key)
         if tid is None or not (0 <= int(tid) < len(tokens)):
             return None, None
         return int(tid), tokens[int(tid)]
@@ -326,7 +308,7 @@ def _load_gguf(path: str) -> Tokenizer:
     ends += [i for i, t in enumerate(types) if t == TOKEN_CONTROL and tokens[i] in END_OF_GENERATION]
     eos_ids = tuple(dict.fromkeys(ends))
 
-    add_bos = _gguf_value(reader, "tokenizer.ggml.add_bos_token")
+    add_bos = get("tokenizer.ggml.add_bos_token")
     if add_bos is None:
         # llama.cpp's default: SentencePiece vocabularies add BOS, byte-level ones do not.
         add_bos = kind == "llama"
@@ -345,7 +327,7 @@ def _load_gguf(path: str) -> Tokenizer:
         bos_token=bos_token,
         eos_token=eos_token,
         special_tokens=special,
-        chat_template=_gguf_value(reader, "tokenizer.chat_template"),
+        chat_template=get("tokenizer.chat_template"),
         add_bos=bool(add_bos),
         vocab_size=len(tokens),
         unk_token=unk_token,

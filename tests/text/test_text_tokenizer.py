@@ -113,6 +113,19 @@ def test_spm_gguf_metadata(spm_gguf):
     assert tok.chat_template.startswith("{% for m in messages %}")
 
 
+def test_spm_gguf_metadata_reads_as_gguf_reads_it(spm_gguf):
+    """The tokenizer's metadata reader (pure Python) and gguf's own, on the file the fixture wrote."""
+    import gguf
+
+    from mashbox import gguf_meta
+
+    reader = gguf.GGUFReader(spm_gguf.path)
+    meta = gguf_meta.read(spm_gguf.path)
+    want = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert meta.fields == want
+    assert [t.name for t in meta.tensors] == [t.name for t in reader.tensors]
+
+
 def test_spm_gguf_ids_equal_sentencepiece(spm_gguf):
     """sentencepiece itself is the reference for a llama-style vocabulary (merges derived
     from the scores, byte fallback for characters the vocabulary lacks)."""
@@ -197,6 +210,7 @@ def test_load_errors(tmp_path):
 
 
 def test_text_layer_imports_neither_torch_nor_transformers(default_model_path):
+    """Nor numpy or gguf: a GGUF tokenizer is read with mashbox.gguf_meta."""
     import subprocess
     import sys
 
@@ -205,7 +219,7 @@ def test_text_layer_imports_neither_torch_nor_transformers(default_model_path):
         "from mashbox.text import chat, detok, parsers, tokenizer, tool_prompt\n"
         f"tok = tokenizer.load_tokenizer({default_model_path!r})\n"
         "chat.ChatTemplate(tok).encode([{'role': 'user', 'content': 'hi'}])\n"
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'gguf') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
