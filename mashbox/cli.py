@@ -2,13 +2,18 @@
 
 Exit codes: 0 ok, 2 for anything the user can fix (unknown model id, missing path, bad
 checksum, unsupported architecture, corrupt file, a public host without an API key,
-a bad flag value), 1 for a server that failed after it started.
+a bad flag value, a port in use), 1 for a server that failed after it started.
+
+Every flag and the listening address are checked before a model is pulled, read or
+loaded: a mistake costs a fraction of a second and one line on stderr, not a load.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
 from typing import Optional, Sequence
 
@@ -64,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--prefill-chunk", type=int, default=512,
                      help="most prompt tokens prefilled in one step, over all requests (default 512)")
     run.add_argument("--threads", type=int, default=None,
-                     help="torch threads in the worker (default: torch's choice)")
+                     help="torch threads in the worker, at least 1 (default: torch's choice)")
     run.add_argument("--ui", action="store_true", help="serve the chat page at /")
     run.add_argument("--log-level", default="info",
                      choices=("debug", "info", "warning", "error"), help="log level (default info)")
@@ -105,19 +110,53 @@ def _cmd_pull(model_id: str) -> int:
     return 0
 
 
+def _check_listen(host: str, port: int) -> Optional[str]:
+    """Why host:port cannot be listened on, or None. Binds every address the host resolves
+    to, as the server's create_server will (SO_REUSEADDR, v6 sockets v6-only), and lets go:
+    a busy port is refused before a model loads for seconds only to fail to listen."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                   0, socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"--host {host}: cannot resolve it ({e.strerror})"
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+        except OSError as e:
+            return f"--port {port}: cannot listen on {host}:{port} ({e.strerror})"
+    return None
+
+
+def _flag_errors(args: argparse.Namespace) -> Optional[str]:
+    """The first bad flag value, checked before anything is pulled, loaded or spawned."""
+    if args.slots < 1:
+        return "--slots must be >= 1"
+    if args.ctx is not None and args.ctx < 16:
+        return "--ctx must be >= 16"
+    if args.prefill_chunk < 1:
+        return "--prefill-chunk must be >= 1"
+    if args.threads is not None and args.threads < 1:
+        return "--threads must be >= 1"
+    if args.weights != "dense" and (args.dtype == "float32" or args.device == "cuda"):
+        return f"--weights {args.weights} runs in bfloat16 on a CPU only"
+    if not 0 < args.port < 65536:
+        return "--port must be in 1..65535"
+    for name in args.server_name:
+        if not name or any(c.isspace() or c in "/@[]" for c in name):
+            return f"--server-name {name!r} is not a host name"
+    return None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from mashbox.http.security import is_loopback, load_api_keys
 
-    if args.slots < 1:
-        return _fail("--slots must be >= 1")
-    if args.ctx is not None and args.ctx < 16:
-        return _fail("--ctx must be >= 16")
-    if args.prefill_chunk < 1:
-        return _fail("--prefill-chunk must be >= 1")
-    if args.weights != "dense" and (args.dtype == "float32" or args.device == "cuda"):
-        return _fail(f"--weights {args.weights} runs in bfloat16 on a CPU only")
-    if not 0 < args.port < 65536:
-        return _fail("--port must be in 1..65535")
+    bad = _flag_errors(args)
+    if bad is not None:
+        return _fail(bad)
     try:
         keys = load_api_keys(args.api_key_file, os.environ)
     except (OSError, ValueError) as e:
@@ -127,6 +166,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"--host {args.host} is not a loopback address: refusing to serve without an API key "
             "(give --api-key-file or set MASHBOX_API_KEY)"
         )
+    bad = _check_listen(args.host, args.port)
+    if bad is not None:
+        return _fail(bad)
     model_id, path = registry.resolve(args.model)
     mf = inspect(path)
     if args.ctx is not None and mf.context_length and args.ctx > mf.context_length:
@@ -139,7 +181,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
                           threads=args.threads, weights=args.weights)
     from mashbox.api.app import serve
 
-    return serve(server, engine)
+    try:
+        return serve(server, engine)
+    except OSError as e:
+        # the port was taken between the check above and the server's own bind
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            return _fail(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({e.strerror})")
+        raise
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

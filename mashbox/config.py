@@ -150,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1 (or None for torch's default)")
         if self.weights not in ("dense", "int8", "int4"):
             raise ValueError(f"weights must be dense, int8 or int4, not {self.weights!r}")
         if self.weights != "dense" and self.dtype == "float32":

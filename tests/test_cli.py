@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,33 @@ def test_bad_flag_values_exit_2():
     assert r.returncode == 2 and "--dtype" in r.stderr
     r = mashbox("run", "--weights", "int4", "--dtype", "float32")
     assert r.returncode == 2 and "--weights int4 runs in bfloat16" in r.stderr
+
+
+@pytest.mark.parametrize("flags, names", [
+    (("--threads", "-3"), "--threads"),
+    (("--threads", "0"), "--threads"),
+    (("--prefill-chunk", "0"), "--prefill-chunk"),
+    (("--ctx", "8"), "--ctx"),
+    (("--port", "0"), "--port"),
+    (("--port", "70000"), "--port"),
+    (("--server-name", ""), "--server-name"),
+    (("--host", "no-such-host.invalid"), "--host"),
+])
+def test_bad_flag_values_exit_2_with_one_line_before_loading(flags, names, default_model_path):
+    """One line on stderr, nothing loaded: no log line of the server or the worker."""
+    r = mashbox("run", default_model_path, *flags, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"mashbox: error: {names}"), r.stderr
+
+
+def test_busy_port_exits_2_with_one_line_before_loading(default_model_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = mashbox("run", default_model_path, "--port", str(port), timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == f"mashbox: error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)\n"
 
 
 def test_help_lists_every_flag():
