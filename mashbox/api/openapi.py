@@ -1,12 +1,16 @@
 """GET /openapi.json: the repository's openapi.json (OpenAPI 3.1), with the running model.
 
 The document is read once at start-up; the served copy names the running model in
-`info.x-mashbox-model` and as the example of every request's `model` field.
+`info.x-mashbox-model` and as the example of every request's `model` field, and its
+`servers` URL is where this server listens: the configured host (the address the
+connection arrived on when the host is a wildcard such as 0.0.0.0) and the port the
+socket is really bound to (`--port 0` included).
 """
 from __future__ import annotations
 
 import copy
 import os
+from typing import Optional
 
 import orjson
 
@@ -23,9 +27,27 @@ def load(path: str = OPENAPI_PATH) -> dict:
         return orjson.loads(f.read())
 
 
-def with_model(doc: dict, model_id: str) -> dict:
-    """A copy naming the running model (the document's own is a placeholder)."""
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def server_url(host: str, port: int, local_addr: Optional[tuple] = None) -> str:
+    """http://host:port of this server; local_addr (the connection's socket name) gives the
+    real port, and the real address when host is a wildcard."""
+    if local_addr:
+        if host in _WILDCARDS:
+            host = str(local_addr[0])
+        port = int(local_addr[1])
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def with_model(doc: dict, model_id: str, url: Optional[str] = None) -> dict:
+    """A copy naming the running model (the document's own is a placeholder) and, when
+    url is given, the server's own address as its one `servers` entry."""
     doc = copy.deepcopy(doc)
+    if url is not None:
+        doc["servers"] = [{"url": url}]
     doc.setdefault("info", {})["x-mashbox-model"] = model_id
     for schema in doc.get("components", {}).get("schemas", {}).values():
         model = schema.get("properties", {}).get("model")
@@ -45,9 +67,11 @@ def routes(api: ApiContext) -> list:
         if doc is None:
             raise HTTPError(404, f"openapi.json is not installed with this server ({OPENAPI_PATH}).")
         model_id = api.model_id
-        body = cache.get(model_id)
+        sc = api.server_config
+        url = server_url(sc.host, sc.port, req.local_addr)
+        body = cache.get((model_id, url))
         if body is None:
-            body = cache[model_id] = orjson.dumps(with_model(doc, model_id))
+            body = cache[(model_id, url)] = orjson.dumps(with_model(doc, model_id, url))
         return Response(200, body, content_type="application/json")
 
     return [("GET", "/openapi.json", openapi, OPENAI)]
