@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="context length of each slot in tokens (default: the model's trained "
                      "length; larger is allowed, with a warning)")
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                     help="compute dtype (default auto: the faster one on this device, measured)")
+                     help="compute dtype (default auto: bfloat16 where the CPU or GPU has bfloat16 units "
+                     "or mashbox's AVX512-BF16 kernel runs, else float32; the same on every start)")
     run.add_argument("--weights", choices=("dense", "int8", "int4"), default="dense",
                      help="linear weights: dense (in --dtype; default), or weight-only int8 / int4 "
                      "(opt-in, bfloat16 on a CPU only: faster decode, logits within ~1%% of dense)")
