@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import logging
 import os
 import socket
@@ -132,6 +133,24 @@ def _check_listen(host: str, port: int) -> Optional[str]:
     return None
 
 
+def _check_native() -> Optional[str]:
+    """Why the worker would refuse to start for want of the C extension, or None.
+
+    The worker imports this very package (engine/client.py spawns it so), and without
+    mashbox._native it serves only when MASHBOX_NATIVE=reference asks for the slow pure
+    Python reference; found here without importing it (that is native.py's job)."""
+    if importlib.util.find_spec("mashbox._native") is not None:
+        return None
+    if os.environ.get("MASHBOX_NATIVE") == "reference":
+        log.warning("mashbox._native is not built: serving on the slow pure Python reference "
+                    "(MASHBOX_NATIVE=reference)")
+        return None
+    where = os.path.dirname(os.path.abspath(__file__))
+    return (f"mashbox._native (the C extension) is not built in {where}: reinstall mashbox with a C "
+            "compiler and the Python headers, or set MASHBOX_NATIVE=reference to serve on the slow "
+            "pure Python reference")
+
+
 def _flag_errors(args: argparse.Namespace) -> Optional[str]:
     """The first bad flag value, checked before anything is pulled, loaded or spawned."""
     if args.slots < 1:
@@ -168,6 +187,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             "(give --api-key-file or set MASHBOX_API_KEY)"
         )
     bad = _check_listen(args.host, args.port)
+    if bad is not None:
+        return _fail(bad)
+    bad = _check_native()
     if bad is not None:
         return _fail(bad)
     model_id, path = registry.resolve(args.model)

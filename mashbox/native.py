@@ -2,7 +2,10 @@
 
 Same functions and classes as `mashbox.native_ref`, whose docstring states the rules.
 When the extension is missing (not built), the reference is used instead and a warning
-is logged; `NATIVE` says which one is loaded (the tests assert it is the C one).
+is logged; `NATIVE` says which one is loaded (the tests assert it is the C one) and
+`MISSING` why. The worker refuses to serve on the reference (a fatal load error) unless
+`MASHBOX_NATIVE=reference` (REFERENCE_ENV) asks for it: a server never falls back
+silently to the slow path.
 
 The wrappers check shapes and dtypes (ValueError naming the argument), hand numpy
 buffers to C without copying where they already have the right layout, and keep one
@@ -12,8 +15,9 @@ path but the small output array.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -21,11 +25,15 @@ from mashbox import native_ref
 
 log = logging.getLogger(__name__)
 
+REFERENCE_ENV = "MASHBOX_NATIVE"  # =reference: the worker may run without the extension
+MISSING: Optional[str] = None  # why the extension could not be imported
 try:
     from mashbox._native import ffi as _ffi, lib as _lib
 except ImportError as exc:  # the extension was not built: slow but correct
     _ffi = _lib = None
-    log.warning("mashbox._native is not built (%s); using the pure Python reference", exc)
+    MISSING = f"mashbox._native is not built in {os.path.dirname(os.path.abspath(__file__))} ({exc})"
+    log.warning("%s; using the pure Python reference (a server refuses to start on it unless "
+                "%s=reference)", MISSING, REFERENCE_ENV)
 
 NATIVE: bool = _lib is not None
 NUM_PARAMS = native_ref.NUM_PARAMS

@@ -208,12 +208,18 @@ class EngineClient:
         parent.setblocking(False)
         env = dict(os.environ)
         env["PYTHONPATH"] = _PKG_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        # The worker runs the same mashbox as this process, whatever the cwd: `python -m`
+        # would put the cwd first on sys.path, so started inside a checkout it would import
+        # the source tree (no built extension) instead of the installed package. The -c
+        # bootstrap puts _PKG_ROOT where the cwd would be (sys.path[0]), on every Python.
+        boot = ("import runpy, sys; sys.path[0] = sys.argv.pop(1); "
+                "runpy.run_module('mashbox.engine.worker', run_name='__main__', alter_sys=True)")
         # OMP_WAIT_POLICY is left to the user: on free cores OpenMP's spinning threads
         # decode ~1.7x faster than yielding ones (benchmarks/decode.py, 2 cores: b1 81 vs
         # 48 tok/s), while on a busy shared machine PASSIVE (or --threads 1) is faster.
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "mashbox.engine.worker", "--fd", str(child.fileno()),
+                sys.executable, "-c", boot, _PKG_ROOT, "--fd", str(child.fileno()),
                 pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL, env=env,
             )
         finally:

@@ -299,6 +299,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             if f.get("op") == "start":
                 start = f
     cfg = EngineConfig(**start["config"])
+    from mashbox import native
+
+    if not native.NATIVE:
+        if os.environ.get(native.REFERENCE_ENV) != "reference":
+            message = (f"{native.MISSING}: reinstall mashbox with a C compiler and the Python headers, "
+                       f"or set {native.REFERENCE_ENV}=reference to serve on the slow pure Python "
+                       "reference")
+            log.error("%s", message)
+            pipe.send({"op": "fatal", "message": message})
+            return 2
+        log.warning("%s=reference: serving on the pure Python reference, not the C extension "
+                    "(sampling and the CPU kernels are many times slower)", native.REFERENCE_ENV)
     log.info("loading %s from %s", cfg.model_id, cfg.model_path)
     try:
         engine = Engine(cfg)
