@@ -141,18 +141,6 @@ def check(s: ModelSpec) -> str:
     return "pulled" if digest == s.sha256 else "corrupt"
 
 
-def is_pulled(s: ModelSpec) -> bool:
-    return check(s) == "pulled"
-
-
-def verify(s: ModelSpec) -> Path:
-    """The pulled file's path; RegistryError if it is missing or fails its sha256."""
-    state = check(s)
-    if state != "pulled":
-        raise RegistryError(f"{local_path(s)} is {state}: run `mashbox pull {s.id}`")
-    return local_path(s)
-
-
 def _copy_verified(src, size: int, dest: Path, s: ModelSpec, progress: Callable[[int, int], None]) -> None:
     """Stream src (a binary file object) to dest.part, hashing; rename when it matches."""
     part = dest.with_name(dest.name + ".part")
