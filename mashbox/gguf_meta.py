@@ -10,9 +10,10 @@ Rules:
   count; each pair is a string key, a u32 value type and the value; then each tensor's
   name, u32 n_dims, u64 dims, u32 ggml type, u64 offset into the data section, which
   starts at the next multiple of `general.alignment` (default 32).
-- Every length and count is checked against the bytes left before it is used, so a
-  corrupt or truncated file ends in GGUFMetaError naming what was being read and where,
-  never in a huge allocation, an IndexError or a struct.error.
+- Every length and count is checked against the bytes left before it is used (and
+  arrays nest at most MAX_ARRAY_DEPTH deep), so a corrupt or truncated file ends in
+  GGUFMetaError naming what was being read and where, never in a huge allocation, a
+  RecursionError, an IndexError or a struct.error.
 - Values come out as Python values: ints, floats (float32 widened exactly), bools, str
   (strict UTF-8), and lists of them for arrays. Nothing keeps the file open or mapped.
 - Tensor data is not read: a tensor's byte size comes from GGML_BLOCK_SIZES (None for a
@@ -29,6 +30,7 @@ MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: real files nest one level at most
 
 # value type -> struct code (fixed-size scalars); 8 STRING and 9 ARRAY are read apart
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -143,7 +145,9 @@ class _Cursor:
         self.pos += n
         return s
 
-    def array(self, what: str) -> list:
+    def array(self, what: str, depth: int = 1) -> list:
+        if depth > MAX_ARRAY_DEPTH:
+            raise GGUFMetaError(f"{what}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
         item_type = self.scalar("I", f"{what} item type")
         count = self.scalar("Q", f"{what} length")
         if item_type in _SCALAR:
@@ -158,7 +162,7 @@ class _Cursor:
             return [self.string(f"{what}[{i}]") for i in range(count)]
         if item_type == TYPE_ARRAY:
             self.need(count * 12, what)  # each inner array has at least its type and length
-            return [self.array(f"{what}[{i}]") for i in range(count)]
+            return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
         raise GGUFMetaError(f"{what}: unknown array item type {item_type}")
 
     def value(self, value_type: int, what: str):

@@ -181,6 +181,7 @@ def _key(name: str) -> bytes:
     (_header(n_tensors=1, n_kv=0) + _key("t") + struct.pack("<IQIQ", 1, 32, 0, 3) + b"\0" * 64, "multiple of 32"),
     (_header(n_tensors=1, n_kv=0) + _key("t") + struct.pack("<IQIQ", 1, 33, 2, 0) + b"\0" * 64, "block of 32"),
     (_header(version=1), "version 1"),
+    (_header() + _key("k") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000, "nested deeper"),
     (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "big-endian"),
     (b"GGML" + b"\0" * 40, "not a GGUF file"),
     (b"GGUF", "not a GGUF file"),
