@@ -77,3 +77,11 @@ def test_auto_dtype_is_the_same_on_a_busy_machine():
             h.kill()
             h.wait()
     assert busy == [quiet] * 3
+
+
+@pytest.mark.parametrize("capability, want", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                                              ((7, 5), torch.float32), ((6, 1), torch.float32)])
+def test_auto_dtype_on_cuda_follows_the_compute_capability(monkeypatch, capability, want):
+    # the rule alone (no GPU here): bfloat16 units from compute capability 8.0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert device_mod.auto_dtype(torch.device("cuda"), 576)[0] == want
