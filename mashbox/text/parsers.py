@@ -38,17 +38,21 @@ Rules:
 - Priming: a prompt that already holds the start of the model's answer (an opened
   <think>, or a forced `<tool_call>{"name": "x", "arguments": `) is handled by
   `in_reasoning=True` or by feeding that text first: the parser reads it as output.
-- Call ids are "call_" + 24 random characters; the api layer may re-prefix them.
+- Pieces are `Piece` values (kinds text | reasoning | tool_start | tool_args | tool_end);
+  api/generation.py yields them as they are and the api writers read them.
+- Tool-call ids are minted here, once, when a call is committed: the route's prefix
+  (`id_prefix`: call_ / toolu_ / fc_) and 24 hex characters; every piece of the call
+  carries it.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
 import secrets
-import string
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Union
+from typing import Callable, Optional
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -56,48 +60,60 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 # -- pieces -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Text:
-    text: str
-    kind: ClassVar[str] = "text"
+PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
 
 
 @dataclass(frozen=True)
-class Reasoning:
-    text: str
-    kind: ClassVar[str] = "reasoning"
+class Piece:
+    """One parsed stretch of output; what api/generation.py yields and the api writers read.
+
+    kind        text                    index  id       name   valid
+    text        the text delta          0      ""       ""     True
+    reasoning   the reasoning delta     0      ""       ""     True
+    tool_start  ""                      call   call id  name   True
+    tool_args   JSON-text delta         call   call id  ""     True
+    tool_end    the whole arguments     call   call id  ""     they parse as an object
+    """
+
+    kind: str  # one of PIECE_KINDS
+    text: str = ""
+    index: int = 0  # the call's number within this output (tool_* kinds)
+    id: str = ""  # the call's id (tool_* kinds)
+    name: str = ""  # tool_start: the function name
+    valid: bool = True  # tool_end: the arguments parse as a JSON object
+
+    def __post_init__(self) -> None:
+        if self.kind not in PIECE_KINDS:
+            raise ValueError(f"unknown piece kind {self.kind!r}")
 
 
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int  # 0, 1, ... within this output
-    id: str
-    name: str
-    kind: ClassVar[str] = "tool_call_start"
+# Constructors of the five kinds, named for what they are.
+def Text(text: str) -> Piece:  # noqa: N802 - a piece constructor, read like a type
+    return Piece("text", text)
 
 
-@dataclass(frozen=True)
-class ToolCallArgs:
-    index: int
-    delta: str  # JSON text; the deltas of one call concatenate to its arguments
-    kind: ClassVar[str] = "tool_call_args"
+def Reasoning(text: str) -> Piece:  # noqa: N802
+    return Piece("reasoning", text)
 
 
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    arguments: str  # the whole arguments text (what the deltas added up to)
-    valid: bool  # it parses as a JSON object
-    kind: ClassVar[str] = "tool_call_end"
+def ToolCallStart(index: int, id: str, name: str) -> Piece:  # noqa: N802
+    return Piece("tool_start", index=index, id=id, name=name)
 
 
-Piece = Union[Text, Reasoning, ToolCallStart, ToolCallArgs, ToolCallEnd]
+def ToolCallArgs(index: int, text: str, id: str) -> Piece:  # noqa: N802
+    return Piece("tool_args", text, index=index, id=id)
 
-_ID_ALPHABET = string.ascii_letters + string.digits
+
+def ToolCallEnd(index: int, arguments: str, valid: bool, id: str) -> Piece:  # noqa: N802
+    return Piece("tool_end", arguments, index=index, id=id, valid=valid)
 
 
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+_ID_HEX_CHARS = 24
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """A tool-call id: the route's prefix (call_ / toolu_ / fc_) and 24 hex characters."""
+    return prefix + secrets.token_hex(_ID_HEX_CHARS // 2)
 
 
 # -- the state table --------------------------------------------------------------------------
@@ -175,13 +191,14 @@ class OutputParser:
         reasoning: bool = False,
         tools: bool = False,
         in_reasoning: bool = False,
-        call_id: Callable[[], str] = new_call_id,
+        id_prefix: str = "call_",
+        call_id: Optional[Callable[[], str]] = None,  # tests: fixed ids; default new_call_id(id_prefix)
         think_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE),
         call_tags: tuple[str, str] = (CALL_OPEN, CALL_CLOSE),
     ):
         self._think_open, self._think_close = think_tags
         self._call_open, self._call_close = call_tags
-        self._new_id = call_id
+        self._new_id = call_id if call_id is not None else (lambda: new_call_id(id_prefix))
         self._tags = {THINK_OPEN: self._think_open, THINK_CLOSE: self._think_close,
                       CALL_OPEN: self._call_open, CALL_CLOSE: self._call_close}
         # What each plain state watches for: [(tag text, next state)].
@@ -249,6 +266,7 @@ class OutputParser:
         """Emit what is safe in TEXT / REASONING; True when a tag moved to another state."""
         watch = self._watch[self._state]
         piece = Text if self._state is State.TEXT else Reasoning
+        final_strip = self._state is State.REASONING
         while True:
             if self._strip_lead:
                 rest = self._buf.lstrip()
@@ -276,7 +294,7 @@ class OutputParser:
                 self._strip_lead = True
                 return True
             if final:
-                text = self._buf if piece is Text else self._buf.rstrip()
+                text = self._buf.rstrip() if final_strip else self._buf
                 if text:
                     out.append(piece(text))
                 self._buf = ""
@@ -506,23 +524,23 @@ class OutputParser:
                 delta = buf[call.args_sent : upto]
                 call.args_sent = upto
                 call.args_text.append(delta)
-                out.append(ToolCallArgs(call.index, delta))
+                out.append(ToolCallArgs(call.index, delta, call.id))
         elif call.args_whole is not None and not call.args_text:
             call.args_text.append(call.args_whole)
-            out.append(ToolCallArgs(call.index, call.args_whole))
+            out.append(ToolCallArgs(call.index, call.args_whole, call.id))
 
     def _end_call(self, out: list, call: _Call, buf: str) -> None:
         if call.phase is not _Phase.BROKEN:
             self._stream_args(out, call, buf)
         if call.args_start is None:
             call.args_text.append("{}")
-            out.append(ToolCallArgs(call.index, "{}"))
+            out.append(ToolCallArgs(call.index, "{}", call.id))
         arguments = "".join(call.args_text)
         try:
             valid = isinstance(json.loads(arguments), dict)
         except json.JSONDecodeError:
             valid = False
-        out.append(ToolCallEnd(call.index, arguments, valid))
+        out.append(ToolCallEnd(call.index, arguments, valid, call.id))
 
     def _as_text(self, out: list, call: _Call, upto: int) -> bool:
         """An uncommitted call that turned out not to be one: its text, as written."""
@@ -556,17 +574,14 @@ def _close_at(buf: str, pos: int, close: str) -> str:
     return "no"
 
 
-def _merged(pieces: list) -> list:
+def _merged(pieces: list[Piece]) -> list[Piece]:
     """Adjacent text / reasoning / same-call argument pieces joined."""
-    out: list = []
+    out: list[Piece] = []
     for p in pieces:
         last = out[-1] if out else None
-        if last is not None and type(last) is type(p):
-            if isinstance(p, (Text, Reasoning)):
-                out[-1] = type(p)(last.text + p.text)
-                continue
-            if isinstance(p, ToolCallArgs) and p.index == last.index:
-                out[-1] = ToolCallArgs(p.index, last.delta + p.delta)
-                continue
+        if last is not None and last.kind == p.kind and p.kind in ("text", "reasoning", "tool_args") \
+                and last.index == p.index:
+            out[-1] = dataclasses.replace(last, text=last.text + p.text)
+            continue
         out.append(p)
     return out
