@@ -118,5 +118,5 @@ def test_int4_weights_end_to_end(default_model_path):
 
     events, info = asyncio.run(main())
     text = "".join(ev.text for ev in events)
-    assert info["dtype"] == "bfloat16"  # auto is held to bfloat16 for quantized linears
+    assert info.dtype == "bfloat16"  # auto is held to bfloat16 for quantized linears
     assert "Paris" in text and events[-1].finish_reason == "stop", text

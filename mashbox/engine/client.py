@@ -10,6 +10,7 @@ Rules:
   the state goes back to "loading", `restarts` counts it, and a new worker is started.
   Requests whose handles got no token yet are submitted again to the new worker (once);
   the others end with a StepEvent(finish_reason="error").
+- The client implements engine/interface.py's `Engine`; its handles, `GenerationHandle`.
 - A worker that reports a fatal load error is not restarted; `wait_ready` raises
   EngineStartError with its message.
 """
@@ -27,24 +28,14 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent
 from mashbox.engine import frames
+from mashbox.engine.interface import EngineInfo, EngineStartError, NotReady, QueueFull
 
 log = logging.getLogger("mashbox.engine.client")
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class NotReady(Exception):
-    """The model is loading (or its worker is restarting)."""
-
-
-class QueueFull(Exception):
-    def __init__(self, scope: str) -> None:
-        super().__init__(f"too many requests waiting ({scope})")
-        self.scope = scope  # "tenant" | "total"
-
-
-class EngineStartError(Exception):
-    """The worker could not load the model; the message says why."""
+__all__ = ["EngineClient", "RequestHandle", "NotReady", "QueueFull", "EngineStartError"]
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -136,7 +127,7 @@ class EngineClient:
         self.server_config = server_config
         self.restart_on_exit = restart
         self.state = "loading"
-        self.info: dict = {}
+        self.info: Optional[EngineInfo] = None  # from the first ready frame on
         self.restarts = 0
         self.error: Optional[str] = None  # a fatal load error
         self._handles: dict[str, RequestHandle] = {}
@@ -361,7 +352,7 @@ class EngineClient:
                 self._deliver(StepEvent.from_wire(d))
             self._worker_counters = f.get("counters", self._worker_counters)
         elif op == "ready":
-            self.info = f["info"]
+            self.info = EngineInfo.from_wire(f["info"])
             self.state = "ok"
             self._fails_before_ready = 0
             log.info("engine ready: %s", self.info)
@@ -437,7 +428,8 @@ class EngineClient:
         for k, v in self._worker_counters.items():
             counters[k] += v
         running = sum(1 for h in self._handles.values() if not h.waiting)
-        slots = int(self.info.get("slots", self.engine_config.slots))
+        info = self.info
+        slots = info.slots if info is not None else self.engine_config.slots
         return {
             "state": self.state,
             "running": running,
@@ -445,7 +437,7 @@ class EngineClient:
             "slots": slots,
             "slots_used": running,
             "kv_cache_usage": running / slots if slots else 0.0,
-            "ctx": int(self.info.get("ctx", self.engine_config.ctx or 0)),
+            "ctx": info.ctx if info is not None else int(self.engine_config.ctx or 0),
             "worker_pid": self.worker_pid,
             "worker_restarts": self.restarts,
             "requests_finished": dict(self.finished_by_reason),

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient, EngineStartError, NotReady, QueueFull
+from mashbox.engine.client import EngineClient
+from mashbox.engine.interface import EngineStartError, NotReady, QueueFull
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_harness import run_client  # noqa: E402
@@ -79,11 +80,11 @@ def test_ready_info_and_not_ready_while_loading(tiny):
             await client.wait_ready(timeout=TIMEOUT)
             assert client.state == "ok"
             info = client.info
-            assert info["model_id"] == "tiny" and info["ctx"] == 2048 and info["slots"] == 4
-            assert info["vocab_size"] == 320 and info["arch"] == "llama"
-            assert info["dtype"] == "float32" and info["device"] == "cpu"
-            assert info["weights_file"].endswith(".safetensors") and info["gb"] > 0 and info["bpw"] == 32
-            assert client.worker_pid == info["pid"]
+            assert info.model_id == "tiny" and info.ctx == 2048 and info.slots == 4
+            assert info.vocab_size == 320 and info.arch == "llama"
+            assert info.dtype == "float32" and info.device == "cpu"
+            assert info.weights_file.endswith(".safetensors") and info.gb > 0 and info.bpw == 32
+            assert client.worker_pid == info.pid
         finally:
             await client.stop()
     asyncio.run(main())
