@@ -6,6 +6,7 @@ socket pipe, so what is checked is what the server will see.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
@@ -17,61 +18,22 @@ from mashbox.engine.client import EngineClient
 from mashbox.engine.interface import EngineStartError, NotReady, QueueFull
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_harness import run_client  # noqa: E402
-from tiny_model import hf_greedy, make_tiny_llama  # noqa: E402
+from engine_harness import collect, first_event, req, run_client, tiny_config  # noqa: E402
+from tiny_model import hf_greedy  # noqa: E402
 
 TIMEOUT = 120
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def tiny_tok(tiny):
-    from mashbox.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny)
-
-
-def engine_cfg(path: str, **kw) -> EngineConfig:
-    base = dict(model_path=path, model_id="tiny", slots=4, ctx=2048, dtype="float32",
-                device="cpu", prefill_chunk=64, prefix_block=16, threads=1)
-    base.update(kw)
-    return EngineConfig(**base)
 
 
 def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig()):
     return run_client(coro_fn, cfg, server, timeout=TIMEOUT)
 
 
-def greq(rid: str, ids, max_tokens: int = 8, tenant: str = "t", **sampling) -> GenerationRequest:
-    return GenerationRequest(id=rid, tenant=tenant, prompt_ids=tuple(ids),
-                             sampling=SamplingParams(**sampling), max_tokens=max_tokens,
-                             ignore_eos=True)
-
-
-async def collect(handle):
-    """(token ids, text, final event, all events)"""
-    events = [ev async for ev in handle]
-    ids = [t for ev in events for t in ev.token_ids]
-    return ids, "".join(ev.text for ev in events), events[-1], events
-
-
-async def first_event(handle, want_tokens: bool):
-    """Events until one with tokens (or any, when not want_tokens); returns them."""
-    seen = []
-    async for ev in handle:
-        seen.append(ev)
-        if ev.finish_reason or (ev.token_ids if want_tokens else True):
-            return seen
-    return seen
+greq = functools.partial(req, ignore_eos=True)  # random weights: every request runs to max_tokens
 
 
 def test_ready_info_and_not_ready_while_loading(tiny):
     async def main():
-        client = EngineClient(engine_cfg(tiny), ServerConfig())
+        client = EngineClient(tiny_config(tiny), ServerConfig())
         await client.start()
         try:
             assert client.state == "loading"
@@ -108,7 +70,7 @@ def test_concurrent_requests_match_transformers_greedy(tiny, tiny_tok):
         results = await asyncio.gather(*(collect(h) for h in handles))
         return results, client.stats()
 
-    results, stats = run(main, engine_cfg(tiny))
+    results, stats = run(main, tiny_config(tiny))
     for i, (ids, text, final, events) in enumerate(results):
         assert ids == want[i], f"request {i}"
         assert final.finish_reason == "length"
@@ -149,7 +111,7 @@ def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok, record_pro
         rest2 = await asyncio.gather(collect(greedy_crowd), *(collect(h) for h in hs))
         return alone1, alone2, other_seed, rest[0][0], greedy_alone, rest2[0][0]
 
-    alone1, alone2, other_seed, crowd, greedy_alone, greedy_crowd = run(main, engine_cfg(tiny))
+    alone1, alone2, other_seed, crowd, greedy_alone, greedy_crowd = run(main, tiny_config(tiny))
     assert alone1 == alone2
     assert other_seed != alone1  # the seed matters
     # Recorded, not asserted: the batch's make-up changes low bits of the logits (MKL
@@ -178,7 +140,7 @@ def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
         b = await collect(client.submit(greq("b", second, 6)))
         return a, b, before, client.stats()
 
-    a, b, before, after = run(main, engine_cfg(tiny, slots=2, prefill_chunk=256))
+    a, b, before, after = run(main, tiny_config(tiny, slots=2, prefill_chunk=256))
     ta, tb = a[2].timings, b[2].timings
     assert ta.prompt_n == 1003 and ta.cache_n == 0
     assert tb.cache_n == 1000 and tb.prompt_n == 5  # only the new tokens were prefilled
@@ -200,7 +162,7 @@ def test_running_request_prefix_is_copied_not_recomputed(tiny, tiny_tok):
         await collect(a)
         return b, client.stats()
 
-    b, stats = run(main, engine_cfg(tiny, slots=2, prefill_chunk=256))
+    b, stats = run(main, tiny_config(tiny, slots=2, prefill_chunk=256))
     assert b[2].timings.cache_n == 1000 and b[2].timings.prompt_n == 5
     assert stats["prefix_cache_copies"] == 1
     assert b[0] == hf_greedy(tiny, second, 6)  # the copied K/V give the right tokens
@@ -228,7 +190,7 @@ def test_cancel_queued_prefilling_and_decoding(tiny, tiny_tok):
                                        for i in range(2)))
         return finals, stats, after
 
-    finals, stats, after = run(main, engine_cfg(tiny, slots=2, prefill_chunk=8))
+    finals, stats, after = run(main, tiny_config(tiny, slots=2, prefill_chunk=8))
     q, pre, dec = finals
     assert [f.finish_reason for f in finals] == ["cancelled"] * 3
     assert not q.started and q.timings.predicted_n == 0 and q.timings.prompt_n == 0
@@ -257,7 +219,7 @@ def test_queue_caps_per_tenant_and_total(tiny, tiny_tok):
         await collect(busy)
         return e1.value.scope, e2.value.scope, waiting, done
 
-    s1, s2, waiting, done = run(main, engine_cfg(tiny, slots=1), server)
+    s1, s2, waiting, done = run(main, tiny_config(tiny, slots=1), server)
     assert (s1, s2, waiting) == ("tenant", "total", 3)
     assert all(d[2].finish_reason == "length" for d in done)
 
@@ -279,7 +241,7 @@ def test_killed_worker_is_restarted(tiny, tiny_tok):
         fresh, _, f_final, _ = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
         return q_ids, q_final, f_final
 
-    q_ids, q_final, f_final = run(main, engine_cfg(tiny, slots=1))
+    q_ids, q_final, f_final = run(main, tiny_config(tiny, slots=1))
     assert q_final.finish_reason == "length" and len(q_ids) == 6
     assert f_final.finish_reason == "length"
 
@@ -299,7 +261,7 @@ def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
             stops=(stop, "never-there"), max_tokens=30)))
         return s
 
-    ids, text, final, _ = run(main, engine_cfg(tiny))
+    ids, text, final, _ = run(main, tiny_config(tiny))
     assert final.finish_reason == "stop_sequence" and final.stop_sequence == stop
     assert text == ref_text[:at]
     assert ids == ref[: len(ids)] and len(ids) < 30
@@ -312,7 +274,7 @@ def test_context_end_oversized_prompt_and_bad_ids(tiny):
         bad_id = await collect(client.submit(greq("bad", [5, 320, 6], 4)))
         return fits, too_long, bad_id
 
-    fits, too_long, bad_id = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
+    fits, too_long, bad_id = run(main, tiny_config(tiny, ctx=64, prefill_chunk=16))
     assert bad_id[2].finish_reason == "error" and "vocabulary" in bad_id[2].error
     assert fits[2].finish_reason == "length" and len(fits[0]) == 4  # 60 + 4 = the whole slot
     assert too_long[2].finish_reason == "error" and "65 tokens" in too_long[2].error
@@ -352,7 +314,7 @@ def test_penalties_read_prompt_and_generated_history(tiny, tiny_tok):
         other = client.submit(greq("plain", prompt, 16))  # same batch, no penalties
         return await asyncio.gather(collect(pen), collect(other))
 
-    pen, other = run(main, engine_cfg(tiny))
+    pen, other = run(main, tiny_config(tiny))
     assert pen[0] == want
     assert other[0] == plain
 
@@ -362,7 +324,7 @@ def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)  # a header and nothing that parses
 
     async def main():
-        client = EngineClient(engine_cfg(str(bad)), ServerConfig())
+        client = EngineClient(tiny_config(str(bad)), ServerConfig())
         await client.start()
         try:
             with pytest.raises(EngineStartError) as e:
