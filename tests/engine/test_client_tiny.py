@@ -329,11 +329,18 @@ def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
         try:
             with pytest.raises(EngineStartError) as e:
                 await client.wait_ready(timeout=TIMEOUT)
-            await asyncio.sleep(1.0)  # a restart would have begun by now
-            return str(e.value), client.state, client.restarts, client.error
+            proc = client._proc
+            await asyncio.wait_for(proc.wait(), TIMEOUT)  # the worker exits after its fatal frame
+            # Until the client has seen the exit (socket closed) and its restart decision
+            # ran to its end (no task left), or it restarted the worker after all.
+            while (client._sock is not None or client._tasks) and client.restarts == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineStartError):
+                await client.wait_ready(timeout=TIMEOUT)  # still the same answer, at once
+            return str(e.value), client.state, client.restarts, client.error, client._proc is proc
         finally:
             await client.stop()
 
-    message, state, restarts, error = asyncio.run(main())
+    message, state, restarts, error, same_worker = asyncio.run(main())
     assert "broken.gguf" in message and message == error
-    assert state == "loading" and restarts == 0
+    assert state == "loading" and restarts == 0 and same_worker
