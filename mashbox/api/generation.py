@@ -10,11 +10,15 @@ Rules:
 - The engine request is cancelled in `finally`: a client that goes away (the stream's
   iterator is closed, or a non-streamed handler task is cancelled) frees its slot at
   once, whether queued, prefilling or decoding. cancel() is idempotent.
-- A worker failure (finish_reason "error") is retried once, from the start, while the
-  client has received no model output (routes set `output_sent` when they send some);
-  otherwise, or when the retry fails too, `GenerationError` is raised: the route
-  answers 500 before output (`run()` raises that 500 itself), or its stream's error
-  event after.
+- The one retry lives here. A request the engine failed (finish_reason "error": its
+  worker died, or failed it) is run again once, from the start (fresh parser and
+  result, same request), while its client has received no model output (routes set
+  `output_sent` when they send some). This layer holds it because "has the client
+  received anything" is known only here: the engine client sees tokens, not what
+  reached a socket (the parser may still hold them back). The engine never resends a
+  request itself (engine/interface.py). Otherwise, or when the retry fails too,
+  `GenerationError` is raised: the route answers 500 before output (`run()` raises that
+  500 itself), or its stream's error event after.
 - Pieces are text/parsers.py's `Piece` values as the parser emits them (kind text |
   reasoning | tool_start | tool_args | tool_end); the parser mints each tool call's id
   once, with the route's prefix (`tool_id_prefix`: call_ / toolu_ / fc_).
@@ -214,10 +218,8 @@ class Generation:
     # -- the one retry -----------------------------------------------------------------------
 
     def _may_retry(self) -> bool:
-        """Once, and only while the client has received no model output. A request the
-        engine client already sent again itself (its worker died before any token) has
-        had its one retry."""
-        return not (self.output_sent or self._retried or getattr(self._handle, "resubmitted", False))
+        """Once, and only while the client has received no model output."""
+        return not (self.output_sent or self._retried)
 
     async def _resubmit(self, error: Optional[str]) -> None:
         """Run the request again from the start: fresh parser and result, same request."""

@@ -3,14 +3,27 @@
 Rules:
 - One socket to the worker, framed by frames.py, read with `loop.add_reader` (no thread)
   and written without blocking (what the socket does not take waits for `add_writer`).
+- The client implements engine/interface.py's `Engine`; its handles, `GenerationHandle`.
 - A request is *waiting* from submit until the worker says it has a slot (an event with
   `started`, or its final event). Admission caps count waiting requests only: per tenant
   (`max_waiting_per_tenant`) and in all (`max_waiting_total`) -> QueueFull(scope).
+- A handle's life is the table `HANDLE_TRANSITIONS` (anything else raises
+  IllegalTransition):
+
+      WAITING --started--> RUNNING --final event--> FINISHED --consumer reads it--> CLOSED
+         |                    |                        ^
+         +-----cancel---------+--> CANCELLING ---------+ (the final event, "cancelled")
+         +--------------- final event -----------------+
+
+  FINISHED means the final event is queued (the client forgets the request then);
+  CLOSED that the consumer has read it, so iteration stops.
 - States: "loading" until the worker's ready frame, "ok" after it. When the worker dies,
   the state goes back to "loading", `restarts` counts it, and a new worker is started.
-  Requests whose handles got no token yet are submitted again to the new worker (once);
-  the others end with a StepEvent(finish_reason="error").
-- The client implements engine/interface.py's `Engine`; its handles, `GenerationHandle`.
+  Every request it had ends at once: a cancelled one with "cancelled", the others with
+  StepEvent(finish_reason="error"). The client never sends a request twice: the one
+  retry of a request whose client has received nothing lives in api/generation.py,
+  the only layer that knows what its client received (a request can have tokens that
+  no client saw yet, held back by the output parser).
 - A worker that reports a fatal load error is not restarted; `wait_ready` raises
   EngineStartError with its message.
 """
@@ -19,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import enum
 import logging
 import os
 import socket
@@ -35,7 +49,8 @@ log = logging.getLogger("mashbox.engine.client")
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-__all__ = ["EngineClient", "RequestHandle", "NotReady", "QueueFull", "EngineStartError"]
+__all__ = ["EngineClient", "RequestHandle", "HandleState", "IllegalTransition",
+           "NotReady", "QueueFull", "EngineStartError"]
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -74,6 +89,28 @@ class Histogram:
 # -- one request ----------------------------------------------------------------------------
 
 
+class HandleState(enum.Enum):
+    WAITING = "waiting"  # sent to the worker, no slot yet
+    RUNNING = "running"  # holds a slot (prefilling or decoding)
+    CANCELLING = "cancelling"  # cancel sent; the final event is on its way
+    FINISHED = "finished"  # the final event is queued for the consumer
+    CLOSED = "closed"  # the consumer has read the final event
+
+
+# state -> the states it may move to
+HANDLE_TRANSITIONS: dict[HandleState, frozenset[HandleState]] = {
+    HandleState.WAITING: frozenset({HandleState.RUNNING, HandleState.CANCELLING, HandleState.FINISHED}),
+    HandleState.RUNNING: frozenset({HandleState.CANCELLING, HandleState.FINISHED}),
+    HandleState.CANCELLING: frozenset({HandleState.FINISHED}),
+    HandleState.FINISHED: frozenset({HandleState.CLOSED}),
+    HandleState.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A handle moved along no edge of HANDLE_TRANSITIONS: a bug in the client."""
+
+
 class RequestHandle:
     """`async for ev in handle` yields StepEvents, the last one with finish_reason."""
 
@@ -82,30 +119,29 @@ class RequestHandle:
         self.req = req
         self.id = req.id
         self.tenant = req.tenant
-        self.waiting = True  # no slot yet
-        self.finished = False  # the final event was queued
-        self.sent = False  # the worker has it
-        self.resubmitted = False
-        self.cancel_requested = False
-        self.got_tokens = False
+        self.state = HandleState.WAITING
         self.t_submit = time.perf_counter()
         self.t_first_token: Optional[float] = None
         self._events: collections.deque[StepEvent] = collections.deque()
         self._wake = asyncio.Event()
-        self._closed = False  # the consumer saw the final event
+
+    def _goto(self, state: HandleState) -> None:
+        if state not in HANDLE_TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.id}: {self.state.value} -> {state.value}")
+        self.state = state
 
     def __aiter__(self) -> "RequestHandle":
         return self
 
     async def __anext__(self) -> StepEvent:
         while not self._events:
-            if self._closed:
+            if self.state is HandleState.CLOSED:
                 raise StopAsyncIteration
             self._wake.clear()
             await self._wake.wait()
         ev = self._events.popleft()
         if ev.finish_reason is not None:
-            self._closed = True
+            self._goto(HandleState.CLOSED)
         return ev
 
     def cancel(self) -> None:
@@ -130,9 +166,10 @@ class EngineClient:
         self.info: Optional[EngineInfo] = None  # from the first ready frame on
         self.restarts = 0
         self.error: Optional[str] = None  # a fatal load error
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}  # the open ones
+        # Admission: the ids that count toward the caps, with their tenants.
+        self._waiting: dict[str, str] = {}
         self._waiting_by_tenant: collections.Counter[str] = collections.Counter()
-        self._waiting_total = 0
         self._proc: Optional[asyncio.subprocess.Process] = None
         self._sock: Optional[socket.socket] = None
         self._reader: Optional[frames.FrameReader] = None
@@ -237,32 +274,30 @@ class EngineClient:
         sc = self.server_config
         if self._waiting_by_tenant[req.tenant] >= sc.max_waiting_per_tenant:
             raise QueueFull("tenant")
-        if self._waiting_total >= sc.max_waiting_total:
+        if len(self._waiting) >= sc.max_waiting_total:
             raise QueueFull("total")
         h = RequestHandle(self, req)
         self._handles[req.id] = h
+        self._waiting[req.id] = req.tenant
         self._waiting_by_tenant[req.tenant] += 1
-        self._waiting_total += 1
-        h.sent = True  # before the send: a failed write resubmits it (sets sent False)
-        self._send({"op": "submit", "req": req.to_wire()})
+        self._send({"op": "submit", "req": req.to_wire()})  # a failed write ends it (_worker_gone)
         return h
 
     def _cancel(self, h: RequestHandle) -> None:
-        if h.finished or h.cancel_requested:
-            return
-        h.cancel_requested = True
-        if self.state == "ok" and h.sent:
+        if h.state not in (HandleState.WAITING, HandleState.RUNNING):
+            return  # cancelling already, or over
+        h._goto(HandleState.CANCELLING)
+        if self._sock is not None:
             self._send({"op": "cancel", "id": h.id})
-        else:  # the worker does not have it (restarting): end it here
+        else:  # no worker has it (one just died): end it here
             self._end_locally(h, "cancelled", None)
 
     def _not_waiting(self, h: RequestHandle) -> None:
-        if h.waiting:
-            h.waiting = False
-            self._waiting_by_tenant[h.tenant] -= 1
-            if not self._waiting_by_tenant[h.tenant]:
-                del self._waiting_by_tenant[h.tenant]
-            self._waiting_total -= 1
+        tenant = self._waiting.pop(h.id, None)
+        if tenant is not None:
+            self._waiting_by_tenant[tenant] -= 1
+            if not self._waiting_by_tenant[tenant]:
+                del self._waiting_by_tenant[tenant]
 
     def _end_locally(self, h: RequestHandle, reason: str, error: Optional[str]) -> None:
         self._deliver(StepEvent(id=h.id, finish_reason=reason, error=error,
@@ -270,19 +305,20 @@ class EngineClient:
 
     def _deliver(self, ev: StepEvent) -> None:
         h = self._handles.get(ev.id)
-        if h is None or h.finished:
-            return
+        if h is None:
+            return  # ended here already (a late event of a dead worker's request)
         now = time.perf_counter()
         if ev.started or ev.finish_reason is not None:
             self._not_waiting(h)
+        if ev.started and h.state is HandleState.WAITING:
+            h._goto(HandleState.RUNNING)
         if ev.token_ids:
-            h.got_tokens = True
             self.generated_tokens += len(ev.token_ids)
             if h.t_first_token is None:
                 h.t_first_token = now
                 self.h_ttft.observe(now - h.t_submit)
         if ev.finish_reason is not None:
-            h.finished = True
+            h._goto(HandleState.FINISHED)
             del self._handles[ev.id]
             self.finished_by_reason[ev.finish_reason] += 1
             self.prompt_tokens += ev.prompt_tokens
@@ -356,12 +392,6 @@ class EngineClient:
             self.state = "ok"
             self._fails_before_ready = 0
             log.info("engine ready: %s", self.info)
-            for h in list(self._handles.values()):
-                if self._sock is None or self.state != "ok":  # the new worker died already
-                    break
-                if not h.sent:
-                    h.sent = True
-                    self._send({"op": "submit", "req": h.req.to_wire()})
             self._ready.set()
         elif op == "fatal":
             self.error = f.get("message", "the worker failed to load the model")
@@ -388,13 +418,7 @@ class EngineClient:
         if not was_ready:
             self._fails_before_ready += 1
         for h in list(self._handles.values()):
-            if self.error is None and not h.got_tokens and not h.resubmitted and not h.cancel_requested:
-                h.resubmitted, h.sent = True, False  # goes to the next worker when it is ready
-                if not h.waiting:
-                    h.waiting = True
-                    self._waiting_by_tenant[h.tenant] += 1
-                    self._waiting_total += 1
-            elif h.cancel_requested:
+            if h.state is HandleState.CANCELLING:
                 self._end_locally(h, "cancelled", None)
             else:
                 self._end_locally(h, "error", "the engine worker stopped")
@@ -427,13 +451,13 @@ class EngineClient:
         counters = collections.Counter(self._counter_base)
         for k, v in self._worker_counters.items():
             counters[k] += v
-        running = sum(1 for h in self._handles.values() if not h.waiting)
+        running = sum(1 for h in self._handles.values() if h.id not in self._waiting)
         info = self.info
         slots = info.slots if info is not None else self.engine_config.slots
         return {
             "state": self.state,
             "running": running,
-            "waiting": self._waiting_total,
+            "waiting": len(self._waiting),
             "slots": slots,
             "slots_used": running,
             "kv_cache_usage": running / slots if slots else 0.0,

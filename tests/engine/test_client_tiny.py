@@ -224,26 +224,29 @@ def test_queue_caps_per_tenant_and_total(tiny, tiny_tok):
     assert all(d[2].finish_reason == "length" for d in done)
 
 
-def test_killed_worker_is_restarted(tiny, tiny_tok):
+def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
     async def main(client):
         running = client.submit(greq("run", [5, 6, 7], 1900))
         await first_event(running, want_tokens=True)
-        queued = client.submit(greq("wait", tiny_tok.encode("hello world"), 6))  # no tokens yet
+        queued = client.submit(greq("wait", tiny_tok.encode("hello world"), 6))  # no slot, no tokens
         pid = client.worker_pid
         os.kill(pid, signal.SIGKILL)
-        ids, _, final, _ = await collect(running)
-        assert final.finish_reason == "error" and "worker" in final.error
+        r_final = (await collect(running)).final
+        q = await collect(queued)
         assert client.state == "loading"
         await client.wait_ready(timeout=TIMEOUT)
         assert client.worker_pid != pid and client.stats()["worker_restarts"] == 1
-        # the request that had received nothing was submitted again to the new worker
-        q_ids, _, q_final, _ = await collect(queued)
-        fresh, _, f_final, _ = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
-        return q_ids, q_final, f_final
+        fresh = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
+        return r_final, q, fresh.final, client.stats()
 
-    q_ids, q_final, f_final = run(main, tiny_config(tiny, slots=1))
-    assert q_final.finish_reason == "length" and len(q_ids) == 6
+    r_final, q, f_final, stats = run(main, tiny_config(tiny, slots=1))
+    # The engine never sends a request twice (the api's Generation holds the one retry,
+    # test_retry.py): both requests of the dead worker end with the error.
+    assert r_final.finish_reason == "error" and "worker" in r_final.error
+    assert q.final.finish_reason == "error" and "worker" in q.final.error and q.ids == []
     assert f_final.finish_reason == "length"
+    assert stats["requests_finished"] == {"error": 2, "length": 1}
+    assert stats["waiting"] == 0 and stats["running"] == 0
 
 
 def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
@@ -344,3 +347,29 @@ def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
     message, state, restarts, error, same_worker = asyncio.run(main())
     assert "broken.gguf" in message and message == error
     assert state == "loading" and restarts == 0 and same_worker
+
+
+def test_handle_state_table_moves_only_along_its_edges():
+    from mashbox.engine.client import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+
+    assert set(HANDLE_TRANSITIONS) == set(HandleState)
+    for path in ([HandleState.RUNNING, HandleState.FINISHED, HandleState.CLOSED],
+                 [HandleState.CANCELLING, HandleState.FINISHED, HandleState.CLOSED],
+                 [HandleState.RUNNING, HandleState.CANCELLING, HandleState.FINISHED],
+                 [HandleState.FINISHED]):
+        h = RequestHandle(None, greq("r", [5], 1))
+        for state in path:
+            h._goto(state)
+        assert h.state is path[-1]
+    for start in HandleState:
+        for target in HandleState:
+            if target in HANDLE_TRANSITIONS[start]:
+                continue
+            h = RequestHandle(None, greq("r", [5], 1))
+            h.state = start
+            with pytest.raises(IllegalTransition):
+                h._goto(target)
+            assert h.state is start  # an illegal move changes nothing
+    # e.g. no event after the final one, no return from CANCELLING, nothing after CLOSED
+    assert HANDLE_TRANSITIONS[HandleState.CLOSED] == frozenset()
+    assert HandleState.RUNNING not in HANDLE_TRANSITIONS[HandleState.CANCELLING]
