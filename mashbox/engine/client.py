@@ -5,8 +5,11 @@ Rules:
   and written without blocking (what the socket does not take waits for `add_writer`).
 - The client implements engine/interface.py's `Engine`; its handles, `GenerationHandle`.
 - A request is *waiting* from submit until the worker says it has a slot (an event with
-  `started`, or its final event). Admission caps count waiting requests only: per tenant
-  (`max_waiting_per_tenant`) and in all (`max_waiting_total`) -> QueueFull(scope).
+  `started`, or its final event), or until it is cancelled: a request whose client is
+  gone stops counting at once, not when the worker acknowledges the cancel. Admission
+  caps count waiting requests only: per tenant (`max_waiting_per_tenant`) and in all
+  (`max_waiting_total`) -> QueueFull(scope). A request is *running* from its `started`
+  event to its final event (cancelled or not: its slot is taken until then).
 - A handle's life is the table `HANDLE_TRANSITIONS` (anything else raises
   IllegalTransition):
 
@@ -169,6 +172,7 @@ class EngineClient:
         self._handles: dict[str, RequestHandle] = {}  # the open ones
         # Admission: the ids that count toward the caps, with their tenants.
         self._waiting: dict[str, str] = {}
+        self._in_slot: set[str] = set()  # the ids the worker has given a slot
         self._waiting_by_tenant: collections.Counter[str] = collections.Counter()
         self._proc: Optional[asyncio.subprocess.Process] = None
         self._sock: Optional[socket.socket] = None
@@ -287,6 +291,7 @@ class EngineClient:
         if h.state not in (HandleState.WAITING, HandleState.RUNNING):
             return  # cancelling already, or over
         h._goto(HandleState.CANCELLING)
+        self._not_waiting(h)  # its client is gone: it no longer holds a place in the queue
         if self._sock is not None:
             self._send({"op": "cancel", "id": h.id})
         else:  # no worker has it (one just died): end it here
@@ -310,8 +315,10 @@ class EngineClient:
         now = time.perf_counter()
         if ev.started or ev.finish_reason is not None:
             self._not_waiting(h)
-        if ev.started and h.state is HandleState.WAITING:
-            h._goto(HandleState.RUNNING)
+        if ev.started:
+            self._in_slot.add(h.id)
+            if h.state is HandleState.WAITING:
+                h._goto(HandleState.RUNNING)
         if ev.token_ids:
             self.generated_tokens += len(ev.token_ids)
             if h.t_first_token is None:
@@ -320,6 +327,7 @@ class EngineClient:
         if ev.finish_reason is not None:
             h._goto(HandleState.FINISHED)
             del self._handles[ev.id]
+            self._in_slot.discard(ev.id)
             self.finished_by_reason[ev.finish_reason] += 1
             self.prompt_tokens += ev.prompt_tokens
             self.h_e2e.observe(now - h.t_submit)
@@ -451,7 +459,7 @@ class EngineClient:
         counters = collections.Counter(self._counter_base)
         for k, v in self._worker_counters.items():
             counters[k] += v
-        running = sum(1 for h in self._handles.values() if h.id not in self._waiting)
+        running = len(self._in_slot)
         info = self.info
         slots = info.slots if info is not None else self.engine_config.slots
         return {

@@ -224,6 +224,30 @@ def test_queue_caps_per_tenant_and_total(tiny, tiny_tok):
     assert all(d[2].finish_reason == "length" for d in done)
 
 
+def test_a_cancelled_request_stops_counting_toward_the_caps_at_once(tiny):
+    """Clients that disconnect free their place in the queue before the worker has seen
+    the cancel (issue 10: under a disconnect storm, new requests of the tenant got 429)."""
+    server = ServerConfig(max_waiting_per_tenant=2, max_waiting_total=3)
+
+    async def main(client):
+        busy = client.submit(greq("busy", [5, 6, 7], 1900))
+        await first_event(busy, want_tokens=True)  # the only slot is taken
+        gone = [client.submit(greq(f"x{i}", [8, 9], 2, tenant="x")) for i in range(2)]
+        for h in gone:
+            h.cancel()  # no await in between: the worker cannot have acknowledged it
+        stats = client.stats()
+        fresh = [client.submit(greq(f"x{i}", [8, 9], 2, tenant="x")) for i in range(2, 4)]
+        more = client.submit(greq("y0", [8, 9], 2, tenant="y"))
+        busy.cancel()
+        done = await asyncio.gather(*(collect(h) for h in gone + fresh + [more, busy]))
+        return stats, [d.final.finish_reason for d in done], client.stats()
+
+    stats, reasons, after = run(main, tiny_config(tiny, slots=1), server)
+    assert stats["waiting"] == 0 and stats["running"] == 1
+    assert reasons == ["cancelled", "cancelled", "length", "length", "length", "cancelled"]
+    assert after["waiting"] == 0 and after["running"] == 0
+
+
 def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
     async def main(client):
         running = client.submit(greq("run", [5, 6, 7], 1900))
