@@ -29,6 +29,15 @@ Rules:
   no client saw yet, held back by the output parser).
 - A worker that reports a fatal load error is not restarted; `wait_ready` raises
   EngineStartError with its message.
+- Watchdog: while the client has open requests and the worker is ready, some frame must
+  arrive at least every `watchdog_s` (default WATCHDOG_S): a busy worker sends its
+  events every step and an "alive" frame every frames.ALIVE_EVERY_S otherwise (a
+  prompt prefilled in many chunks). A worker that sends nothing for that long (frozen:
+  SIGSTOP, a hung kernel, a dead lock) is killed and handled as a worker that died: its
+  requests end with "error" (Generation retries those whose clients received nothing)
+  and a new one starts; health says "loading" meanwhile. `stalls` counts them. One
+  step longer than watchdog_s would be taken for a freeze: WATCHDOG_S is far above the
+  longest step seen (a 512-token prefill chunk of a 1.7B model on 2 cores, seconds).
 """
 from __future__ import annotations
 
@@ -48,6 +57,8 @@ from mashbox.engine import frames
 from mashbox.engine.interface import EngineInfo, EngineStartError, NotReady, QueueFull
 
 log = logging.getLogger("mashbox.engine.client")
+
+WATCHDOG_S = 60.0  # no frame for this long while requests are open: the worker is frozen
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -161,10 +172,15 @@ class RequestHandle:
 
 class EngineClient:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                 *, restart: bool = True) -> None:
+                 *, restart: bool = True, watchdog_s: float = WATCHDOG_S) -> None:
+        if watchdog_s <= 2 * frames.ALIVE_EVERY_S:
+            raise ValueError(f"watchdog_s must be above {2 * frames.ALIVE_EVERY_S} s (twice the worker's "
+                             f"alive interval), not {watchdog_s}")
         self.engine_config = engine_config
         self.server_config = server_config
         self.restart_on_exit = restart
+        self.watchdog_s = watchdog_s
+        self.stalls = 0  # workers killed by the watchdog
         self.state = "loading"
         self.info: Optional[EngineInfo] = None  # from the first ready frame on
         self.restarts = 0
@@ -183,6 +199,8 @@ class EngineClient:
         self._stopping = False
         self._fails_before_ready = 0
         self._tasks: set[asyncio.Task] = set()
+        self._last_frame = 0.0  # time.monotonic() of the worker's last bytes (or of new work)
+        self._watch: Optional[asyncio.TimerHandle] = None
         # metrics
         self.finished_by_reason: collections.Counter[str] = collections.Counter()
         self.prompt_tokens = 0
@@ -260,6 +278,9 @@ class EngineClient:
         self._send({"op": "start", "config": dataclasses.asdict(self.engine_config)})
 
     def _close_socket(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._sock is None:
             return
         loop = asyncio.get_running_loop()
@@ -280,6 +301,8 @@ class EngineClient:
             raise QueueFull("tenant")
         if len(self._waiting) >= sc.max_waiting_total:
             raise QueueFull("total")
+        if not self._handles:
+            self._last_frame = time.monotonic()  # the worker was idle: its silence ends now
         h = RequestHandle(self, req)
         self._handles[req.id] = h
         self._waiting[req.id] = req.tenant
@@ -379,6 +402,7 @@ class EngineClient:
             if not data:
                 self._worker_gone(gen)
                 return
+            self._last_frame = time.monotonic()
             try:
                 got = self._reader.feed(data)
             except (frames.FrameError, ValueError) as e:
@@ -400,7 +424,10 @@ class EngineClient:
             self.state = "ok"
             self._fails_before_ready = 0
             log.info("engine ready: %s", self.info)
+            self._arm_watchdog(self._gen)
             self._ready.set()
+        elif op == "alive":
+            pass  # a busy worker's step without events: progress all the same
         elif op == "fatal":
             self.error = f.get("message", "the worker failed to load the model")
             log.error("engine worker failed: %s", self.error)
@@ -408,11 +435,36 @@ class EngineClient:
         else:
             log.error("unknown frame op from the worker: %r", op)
 
+    def _arm_watchdog(self, gen: int) -> None:
+        self._watch = asyncio.get_running_loop().call_later(self.watchdog_s / 4, self._check_progress, gen)
+
+    def _check_progress(self, gen: int) -> None:
+        if self._watch is not None:  # called early (a test): one timer chain all the same
+            self._watch.cancel()
+        self._watch = None
+        if gen != self._gen or self._sock is None or self.state != "ok":
+            return
+        silent = time.monotonic() - self._last_frame
+        if self._handles and silent > self.watchdog_s:
+            # Bytes may be waiting that this loop had no time to read (it was blocked).
+            self._on_readable(gen)
+            if gen != self._gen or self._sock is None:
+                return  # it died meanwhile: handled as a death
+            silent = time.monotonic() - self._last_frame
+        if self._handles and silent > self.watchdog_s:
+            log.error("engine worker %s sent nothing for %.1f s with %d requests open; killing it",
+                      self.worker_pid, silent, len(self._handles))
+            self.stalls += 1
+            self._kill_worker()
+            self._worker_gone(gen, f"the engine worker made no progress for {self.watchdog_s:g} s")
+            return
+        self._arm_watchdog(gen)
+
     def _kill_worker(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
 
-    def _worker_gone(self, gen: int) -> None:
+    def _worker_gone(self, gen: int, why: str = "the engine worker stopped") -> None:
         if gen != self._gen or self._sock is None:
             return
         self._close_socket()
@@ -429,7 +481,7 @@ class EngineClient:
             if h.state is HandleState.CANCELLING:
                 self._end_locally(h, "cancelled", None)
             else:
-                self._end_locally(h, "error", "the engine worker stopped")
+                self._end_locally(h, "error", why)
         log.error("engine worker exited%s", "" if self.error is None else f": {self.error}")
         task = asyncio.get_running_loop().create_task(self._reap_and_restart())
         self._tasks.add(task)
@@ -472,6 +524,7 @@ class EngineClient:
             "ctx": info.ctx if info is not None else int(self.engine_config.ctx or 0),
             "worker_pid": self.worker_pid,
             "worker_restarts": self.restarts,
+            "worker_stalls": self.stalls,
             "requests_finished": dict(self.finished_by_reason),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

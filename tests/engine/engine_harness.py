@@ -12,10 +12,12 @@ from mashbox.engine.interface import GenerationHandle
 TIMEOUT = 300
 
 
-def run_client(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig(), timeout: float = TIMEOUT):
-    """Start a client, wait for ready, run `coro_fn(client)`, always stop the worker."""
+def run_client(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig(), timeout: float = TIMEOUT,
+               **client_kw):
+    """Start a client (EngineClient keywords: `client_kw`), wait for ready, run
+    `coro_fn(client)`, always stop the worker."""
     async def main():
-        client = EngineClient(cfg, server)
+        client = EngineClient(cfg, server, **client_kw)
         await client.start()
         try:
             await client.wait_ready(timeout=timeout)

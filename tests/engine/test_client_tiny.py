@@ -10,6 +10,7 @@ import functools
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -24,8 +25,8 @@ from tiny_model import hf_greedy  # noqa: E402
 TIMEOUT = 120
 
 
-def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig()):
-    return run_client(coro_fn, cfg, server, timeout=TIMEOUT)
+def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig(), **client_kw):
+    return run_client(coro_fn, cfg, server, timeout=TIMEOUT, **client_kw)
 
 
 greq = functools.partial(req, ignore_eos=True)  # random weights: every request runs to max_tokens
@@ -271,6 +272,53 @@ def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
     assert f_final.finish_reason == "length"
     assert stats["requests_finished"] == {"error": 2, "length": 1}
     assert stats["waiting"] == 0 and stats["running"] == 0
+
+
+def test_a_frozen_worker_is_killed_and_restarted(tiny):
+    """SIGSTOP: the worker lives but sends nothing. The watchdog notices (here after 2 s,
+    WATCHDOG_S in the server), kills it, ends its requests and starts another."""
+    watchdog_s = 2.0
+
+    async def main(client):
+        busy = client.submit(greq("busy", [5, 6, 7], 1900))
+        await first_event(busy, want_tokens=True)
+        pid = client.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        final = (await collect(busy)).final  # ends only when the watchdog acts
+        noticed_after = time.monotonic() - t0
+        state_then = client.state
+        await client.wait_ready(timeout=TIMEOUT)
+        fresh = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the frozen worker was killed and reaped
+        return final, noticed_after, state_then, pid, client.worker_pid, fresh.final, client.stats()
+
+    final, noticed_after, state_then, pid, new_pid, f_final, stats = run(
+        main, tiny_config(tiny, slots=1), watchdog_s=watchdog_s)
+    assert final.finish_reason == "error" and "no progress for 2 s" in final.error
+    assert noticed_after >= watchdog_s  # not before its time
+    assert state_then == "loading" and new_pid != pid
+    assert stats["worker_stalls"] == 1 and stats["worker_restarts"] == 1
+    assert f_final.finish_reason == "length"
+
+
+def test_an_idle_worker_is_not_taken_for_a_frozen_one(tiny):
+    """The watchdog counts silence only while there is work: an idle worker sends nothing,
+    and a request after a long idle is not taken for a stall."""
+    watchdog_s = 1.5
+
+    async def main(client):
+        await collect(client.submit(greq("a", [5, 6, 7], 2)))
+        pid = client.worker_pid
+        await asyncio.sleep(2 * watchdog_s)  # idle past the watchdog: the time is what is tested
+        b = client.submit(greq("b", [5, 6, 7], 2))
+        client._check_progress(client._gen)  # a check at once, before the worker can answer
+        return (await collect(b)).final, pid, client.worker_pid, client.stats()
+
+    b, pid, pid_after, stats = run(main, tiny_config(tiny, slots=1), watchdog_s=watchdog_s)
+    assert b.finish_reason == "length"
+    assert pid_after == pid and stats["worker_stalls"] == 0
 
 
 def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):

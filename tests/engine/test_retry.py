@@ -11,6 +11,8 @@ import os
 import signal
 import sys
 
+import pytest
+
 from mashbox.api.common import ApiContext, SamplingFields
 from mashbox.api.generation import Generation, GenerationError
 from mashbox.api.prompt import Prompt
@@ -30,9 +32,9 @@ def generation(client, ids) -> Generation:
     return Generation(api, Prompt(ids=tuple(ids), max_tokens=TOKENS), fields, "openai", ignore_eos=True)
 
 
-async def run_killing_after_first_token(client, gen: Generation, output_sent: bool):
-    """Drive `gen`; at its first step with tokens kill the worker (and mark the output as
-    sent when asked). Returns (the worker's pid, the steps seen, the error if any)."""
+async def run_killing_after_first_token(client, gen: Generation, output_sent: bool, sig=signal.SIGKILL):
+    """Drive `gen`; at its first step with tokens send the worker `sig` (and mark the output
+    as sent when asked). Returns (the worker's pid, the steps seen, the error if any)."""
     pid, steps, error = None, [], None
     try:
         async for step in gen.steps():
@@ -40,24 +42,28 @@ async def run_killing_after_first_token(client, gen: Generation, output_sent: bo
             if pid is None and step.event is not None and step.event.token_ids:
                 pid = client.worker_pid
                 gen.output_sent = output_sent
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
     except GenerationError as e:
         error = e
     return pid, steps, error
 
 
-def test_a_request_whose_client_got_nothing_runs_again_from_the_start(tiny, tiny_tok):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_request_whose_client_got_nothing_runs_again_from_the_start(tiny, tiny_tok, sig):
+    """A dead worker (SIGKILL) or a frozen one (SIGSTOP: the watchdog kills it)."""
     ids = tiny_tok.encode("hello world")
     want = hf_greedy(tiny, ids, TOKENS)
 
     async def main(client):
         gen = generation(client, ids)
-        pid, steps, error = await run_killing_after_first_token(client, gen, output_sent=False)
+        pid, steps, error = await run_killing_after_first_token(client, gen, output_sent=False, sig=sig)
         return pid, error, gen.result, client.worker_pid, client.stats()
 
-    pid, error, result, new_pid, stats = run_client(main, tiny_config(tiny, slots=1), timeout=TIMEOUT)
+    pid, error, result, new_pid, stats = run_client(main, tiny_config(tiny, slots=1), timeout=TIMEOUT,
+                                                    watchdog_s=2.0)
     assert error is None
     assert new_pid != pid and stats["worker_restarts"] == 1
+    assert stats["worker_stalls"] == (1 if sig == signal.SIGSTOP else 0)
     # The retry started over: the result is one whole run's, equal to the reference.
     assert result.finish_reason == "length" and result.completion_tokens == TOKENS
     assert result.text == tiny_tok.decode(ids + want)[len(tiny_tok.decode(ids)):]
