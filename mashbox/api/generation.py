@@ -19,7 +19,7 @@ Rules:
   request itself (engine/interface.py). Otherwise, or when the retry fails too,
   `GenerationError` is raised: the route answers 500 before output (`run()` raises that
   500 itself), or its stream's error event after.
-- Pieces are text/parsers.py's `Piece` values as the parser emits them (kind text |
+- Pieces are text/pieces.py's `Piece` values as the parser emits them (kind text |
   reasoning | tool_start | tool_args | tool_end); the parser mints each tool call's id
   once, with the route's prefix (`tool_id_prefix`: call_ / toolu_ / fc_).
 - Engine refusals are matched by type (engine/interface.py's NotReady / QueueFull).
@@ -42,7 +42,8 @@ from mashbox.api.common import (
 from mashbox.api.prompt import Prompt
 from mashbox.config import GenerationRequest, StepEvent, Timings
 from mashbox.engine.interface import GenerationHandle, NotReady, QueueFull
-from mashbox.text.parsers import PIECE_KINDS, OutputParser, Piece
+from mashbox.text.parsers import OutputParser
+from mashbox.text.pieces import PIECE_KINDS, Piece
 
 __all__ = ["PIECE_KINDS", "Piece", "ToolCall", "Step", "GenerationError", "Result", "Generation",
            "EventStream", "timings_json", "finish_failure"]

@@ -10,16 +10,7 @@ Rules:
   caps count waiting requests only: per tenant (`max_waiting_per_tenant`) and in all
   (`max_waiting_total`) -> QueueFull(scope). A request is *running* from its `started`
   event to its final event (cancelled or not: its slot is taken until then).
-- A handle's life is the table `HANDLE_TRANSITIONS` (anything else raises
-  IllegalTransition):
-
-      WAITING --started--> RUNNING --final event--> FINISHED --consumer reads it--> CLOSED
-         |                    |                        ^
-         +-----cancel---------+--> CANCELLING ---------+ (the final event, "cancelled")
-         +--------------- final event -----------------+
-
-  FINISHED means the final event is queued (the client forgets the request then);
-  CLOSED that the consumer has read it, so iteration stops.
+- A handle's life is handle.py's table (HANDLE_TRANSITIONS); the client moves it.
 - States: "loading" until the worker's ready frame, "ok" after it. When the worker dies,
   the state goes back to "loading", `restarts` counts it, and a new worker is started.
   Every request it had ends at once: a cancelled one with "cancelled", the others with
@@ -44,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import logging
 import os
 import socket
@@ -54,6 +44,8 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent
 from mashbox.engine import frames
+from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+from mashbox.engine.histogram import E2E_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 from mashbox.engine.interface import EngineInfo, EngineStartError, NotReady, QueueFull
 
 log = logging.getLogger("mashbox.engine.client")
@@ -64,107 +56,7 @@ _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 __all__ = ["EngineClient", "RequestHandle", "HandleState", "IllegalTransition",
-           "NotReady", "QueueFull", "EngineStartError"]
-
-
-# -- metrics --------------------------------------------------------------------------------
-
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
-
-
-class Histogram:
-    """Seconds; reported as cumulative bucket counts the way Prometheus wants them."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        i = 0
-        while i < len(self.buckets) and v > self.buckets[i]:
-            i += 1
-        self.counts[i] += 1
-        self.sum += v
-        self.count += 1
-
-    def to_dict(self) -> dict:
-        cum, out = 0, []
-        for le, c in zip(self.buckets, self.counts):
-            cum += c
-            out.append([le, cum])
-        return {"buckets": out, "sum": self.sum, "count": self.count}
-
-
-# -- one request ----------------------------------------------------------------------------
-
-
-class HandleState(enum.Enum):
-    WAITING = "waiting"  # sent to the worker, no slot yet
-    RUNNING = "running"  # holds a slot (prefilling or decoding)
-    CANCELLING = "cancelling"  # cancel sent; the final event is on its way
-    FINISHED = "finished"  # the final event is queued for the consumer
-    CLOSED = "closed"  # the consumer has read the final event
-
-
-# state -> the states it may move to
-HANDLE_TRANSITIONS: dict[HandleState, frozenset[HandleState]] = {
-    HandleState.WAITING: frozenset({HandleState.RUNNING, HandleState.CANCELLING, HandleState.FINISHED}),
-    HandleState.RUNNING: frozenset({HandleState.CANCELLING, HandleState.FINISHED}),
-    HandleState.CANCELLING: frozenset({HandleState.FINISHED}),
-    HandleState.FINISHED: frozenset({HandleState.CLOSED}),
-    HandleState.CLOSED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    """A handle moved along no edge of HANDLE_TRANSITIONS: a bug in the client."""
-
-
-class RequestHandle:
-    """`async for ev in handle` yields StepEvents, the last one with finish_reason."""
-
-    def __init__(self, client: "EngineClient", req: GenerationRequest) -> None:
-        self._client = client
-        self.req = req
-        self.id = req.id
-        self.tenant = req.tenant
-        self.state = HandleState.WAITING
-        self.t_submit = time.perf_counter()
-        self.t_first_token: Optional[float] = None
-        self._events: collections.deque[StepEvent] = collections.deque()
-        self._wake = asyncio.Event()
-
-    def _goto(self, state: HandleState) -> None:
-        if state not in HANDLE_TRANSITIONS[self.state]:
-            raise IllegalTransition(f"request {self.id}: {self.state.value} -> {state.value}")
-        self.state = state
-
-    def __aiter__(self) -> "RequestHandle":
-        return self
-
-    async def __anext__(self) -> StepEvent:
-        while not self._events:
-            if self.state is HandleState.CLOSED:
-                raise StopAsyncIteration
-            self._wake.clear()
-            await self._wake.wait()
-        ev = self._events.popleft()
-        if ev.finish_reason is not None:
-            self._goto(HandleState.CLOSED)
-        return ev
-
-    def cancel(self) -> None:
-        """Idempotent; the final event (finish_reason "cancelled") still comes."""
-        self._client._cancel(self)
-
-    def _push(self, ev: StepEvent) -> None:
-        self._events.append(ev)
-        self._wake.set()
+           "NotReady", "QueueFull", "EngineStartError", "WATCHDOG_S"]
 
 
 # -- the client -----------------------------------------------------------------------------

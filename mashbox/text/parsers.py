@@ -1,5 +1,8 @@
 """The output parser: model text, as it streams, -> text, reasoning and tool-call pieces.
 
+(Over 450 lines: one state machine and the JSON scanner of its CALL state, which works on
+the parser's own buffer and positions; split apart, both would share that state.)
+
 States and transitions (the table `TRANSITIONS`; a state watches only the tags of the
 features turned on):
 
@@ -38,8 +41,9 @@ Rules:
 - Priming: a prompt that already holds the start of the model's answer (an opened
   <think>, or a forced `<tool_call>{"name": "x", "arguments": `) is handled by
   `in_reasoning=True` or by feeding that text first: the parser reads it as output.
-- Pieces are `Piece` values (kinds text | reasoning | tool_start | tool_args | tool_end);
-  api/generation.py yields them as they are and the api writers read them.
+- Pieces are text/pieces.py's `Piece` values (kinds text | reasoning | tool_start |
+  tool_args | tool_end); api/generation.py yields them as they are and the api writers
+  read them.
 - Tool-call ids are minted here, once, when a call is committed: the route's prefix
   (`id_prefix`: call_ / toolu_ / fc_) and 24 hex characters; every piece of the call
   carries it.
@@ -50,70 +54,22 @@ import dataclasses
 import enum
 import json
 import re
-import secrets
-from dataclasses import dataclass
 from typing import Callable, Optional
+
+from mashbox.text.pieces import (  # noqa: F401 - the pieces are the parser's output: importable from here
+    PIECE_KINDS,
+    Piece,
+    Reasoning,
+    Text,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    new_call_id,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")
-
-
-# -- pieces -----------------------------------------------------------------------------------
-PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One parsed stretch of output; what api/generation.py yields and the api writers read.
-
-    kind        text                    index  id       name   valid
-    text        the text delta          0      ""       ""     True
-    reasoning   the reasoning delta     0      ""       ""     True
-    tool_start  ""                      call   call id  name   True
-    tool_args   JSON-text delta         call   call id  ""     True
-    tool_end    the whole arguments     call   call id  ""     they parse as an object
-    """
-
-    kind: str  # one of PIECE_KINDS
-    text: str = ""
-    index: int = 0  # the call's number within this output (tool_* kinds)
-    id: str = ""  # the call's id (tool_* kinds)
-    name: str = ""  # tool_start: the function name
-    valid: bool = True  # tool_end: the arguments parse as a JSON object
-
-    def __post_init__(self) -> None:
-        if self.kind not in PIECE_KINDS:
-            raise ValueError(f"unknown piece kind {self.kind!r}")
-
-
-# Constructors of the five kinds, named for what they are.
-def Text(text: str) -> Piece:  # noqa: N802 - a piece constructor, read like a type
-    return Piece("text", text)
-
-
-def Reasoning(text: str) -> Piece:  # noqa: N802
-    return Piece("reasoning", text)
-
-
-def ToolCallStart(index: int, id: str, name: str) -> Piece:  # noqa: N802
-    return Piece("tool_start", index=index, id=id, name=name)
-
-
-def ToolCallArgs(index: int, text: str, id: str) -> Piece:  # noqa: N802
-    return Piece("tool_args", text, index=index, id=id)
-
-
-def ToolCallEnd(index: int, arguments: str, valid: bool, id: str) -> Piece:  # noqa: N802
-    return Piece("tool_end", arguments, index=index, id=id, valid=valid)
-
-
-_ID_HEX_CHARS = 24
-
-
-def new_call_id(prefix: str = "call_") -> str:
-    """A tool-call id: the route's prefix (call_ / toolu_ / fc_) and 24 hex characters."""
-    return prefix + secrets.token_hex(_ID_HEX_CHARS // 2)
 
 
 # -- the state table --------------------------------------------------------------------------

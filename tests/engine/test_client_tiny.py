@@ -422,7 +422,7 @@ def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
 
 
 def test_handle_state_table_moves_only_along_its_edges():
-    from mashbox.engine.client import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+    from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
 
     assert set(HANDLE_TRANSITIONS) == set(HandleState)
     for path in ([HandleState.RUNNING, HandleState.FINISHED, HandleState.CLOSED],
