@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import pytest
 
-from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient
+from mashbox.config import EngineConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "engine"))
+from engine_harness import collect, req, run_client  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -54,22 +57,11 @@ def engine_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     cfg = EngineConfig(model_path=path, model_id="smollm2-135m", slots=4, ctx=1024, dtype="float32",
                        threads=1)
 
-    async def main():
-        client = EngineClient(cfg, ServerConfig())
-        await client.start()
-        try:
-            await client.wait_ready(timeout=300)
-            handles = [client.submit(GenerationRequest(
-                id=f"p{i}", tenant="t", prompt_ids=tuple(p), sampling=SamplingParams(),
-                max_tokens=NEW_TOKENS)) for i, p in enumerate(prompts)]
+    async def main(client):
+        handles = [client.submit(req(f"p{i}", p, NEW_TOKENS)) for i, p in enumerate(prompts)]
+        return [got.ids for got in await asyncio.gather(*(collect(h) for h in handles))]
 
-            async def collect(h):
-                return [t async for ev in h for t in ev.token_ids]
-            return await asyncio.wait_for(asyncio.gather(*(collect(h) for h in handles)), 300)
-        finally:
-            await client.stop()
-
-    return asyncio.run(main())
+    return run_client(main, cfg)
 
 
 def test_prompt_ids_and_greedy_tokens_equal_transformers(default_model_path, reference):
@@ -105,18 +97,10 @@ def test_int4_weights_end_to_end(default_model_path):
     cfg = EngineConfig(model_path=default_model_path, model_id="smollm2-135m", slots=2, ctx=512,
                        threads=1, weights="int4")
 
-    async def main():
-        client = EngineClient(cfg, ServerConfig())
-        await client.start()
-        try:
-            await client.wait_ready(timeout=300)
-            h = client.submit(GenerationRequest(id="q", tenant="t", prompt_ids=tuple(ids),
-                                                sampling=SamplingParams(), max_tokens=16))
-            return [ev async for ev in h], client.info
-        finally:
-            await client.stop()
+    async def main(client):
+        return (await collect(client.submit(req("q", ids, 16)))).events, client.info
 
-    events, info = asyncio.run(main())
+    events, info = run_client(main, cfg)
     text = "".join(ev.text for ev in events)
-    assert info["dtype"] == "bfloat16"  # auto is held to bfloat16 for quantized linears
+    assert info.dtype == "bfloat16"  # auto is held to bfloat16 for quantized linears
     assert "Paris" in text and events[-1].finish_reason == "stop", text

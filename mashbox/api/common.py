@@ -27,10 +27,15 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from mashbox.config import EngineConfig, SamplingParams, ServerConfig
+from mashbox.engine.interface import Engine, EngineInfo, NotReady, QueueFull
 from mashbox.http.response import HTTPError
+
+if TYPE_CHECKING:  # text/ is loaded by app.py; the annotations only name its types
+    from mashbox.text.chat import ChatTemplate
+    from mashbox.text.tokenizer import Tokenizer
 
 OPENAI = "openai"
 ANTHROPIC = "anthropic"
@@ -51,31 +56,37 @@ _MISSING = object()
 class ApiContext:
     """Everything a route handler needs, built once by app.py.
 
-    `engine` is an EngineClient (or a scripted stand-in with the same surface);
-    `tokenizer` and `template` are loaded in the server process from the model path.
+    `engine` is what engine/interface.py calls an Engine (the EngineClient, or the api
+    tests' scripted double); `tokenizer` and `template` are loaded in the server process
+    from the model path.
     """
 
     server_config: ServerConfig
     engine_config: EngineConfig
-    engine: Any
-    tokenizer: Any
-    template: Any
+    engine: Engine
+    tokenizer: "Tokenizer"
+    template: "ChatTemplate"
     started_at: float = field(default_factory=time.time)
 
     @property
+    def info(self) -> Optional[EngineInfo]:
+        """What the worker measured, once it was ready (None before)."""
+        return self.engine.info
+
+    @property
     def model_id(self) -> str:
-        info = getattr(self.engine, "info", None) or {}
-        return info.get("model_id") or self.engine_config.model_id
+        info = self.engine.info
+        return (info.model_id if info is not None else "") or self.engine_config.model_id
 
     @property
     def ready(self) -> bool:
-        return getattr(self.engine, "state", "loading") == "ok"
+        return self.engine.state == "ok"
 
     @property
     def ctx(self) -> int:
         """Tokens per slot: the worker's measured value once ready, else the configured one."""
-        info = getattr(self.engine, "info", None) or {}
-        ctx = info.get("ctx") or self.engine_config.ctx
+        info = self.engine.info
+        ctx = (info.ctx if info is not None else 0) or self.engine_config.ctx
         if not ctx:
             raise not_ready_error(OPENAI)
         return int(ctx)
@@ -128,14 +139,13 @@ def device_error(message: str, family: str) -> HTTPError:
     return HTTPError(500, message, "server_error", code="internal_error")
 
 
-def engine_error(exc: BaseException, family: str) -> HTTPError:
-    """Map the engine client's QueueFull / NotReady to the family's HTTPError."""
-    name = type(exc).__name__
-    if name == "QueueFull":
-        return queue_full_error(getattr(exc, "scope", "total"), family)
-    if name == "NotReady":
+def engine_error(exc: QueueFull | NotReady, family: str) -> HTTPError:
+    """Map the engine's QueueFull / NotReady (engine/interface.py) to the family's HTTPError."""
+    if isinstance(exc, QueueFull):
+        return queue_full_error(exc.scope, family)
+    if isinstance(exc, NotReady):
         return not_ready_error(family)
-    raise exc
+    raise TypeError(f"engine_error: {type(exc).__name__} is not an engine refusal") from exc
 
 
 def require_ready(api: ApiContext, family: str) -> None:

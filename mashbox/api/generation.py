@@ -10,14 +10,19 @@ Rules:
 - The engine request is cancelled in `finally`: a client that goes away (the stream's
   iterator is closed, or a non-streamed handler task is cancelled) frees its slot at
   once, whether queued, prefilling or decoding. cancel() is idempotent.
-- A worker failure (finish_reason "error") is retried once, from the start, while the
-  client has received no model output (routes set `output_sent` when they send some);
-  otherwise, or when the retry fails too, `GenerationError` is raised: the route
-  answers 500 before output (`run()` raises that 500 itself), or its stream's error
-  event after.
-- Pieces are this module's own `Piece` values (kind text | reasoning | tool_start |
-  tool_args | tool_end), whatever the parser's types; tool-call ids are made here with
-  the route's prefix (call_ / toolu_ / fc_).
+- The one retry lives here. A request the engine failed (finish_reason "error": its
+  worker died, or failed it) is run again once, from the start (fresh parser and
+  result, same request), while its client has received no model output (routes set
+  `output_sent` when they send some). This layer holds it because "has the client
+  received anything" is known only here: the engine client sees tokens, not what
+  reached a socket (the parser may still hold them back). The engine never resends a
+  request itself (engine/interface.py). Otherwise, or when the retry fails too,
+  `GenerationError` is raised: the route answers 500 before output (`run()` raises that
+  500 itself), or its stream's error event after.
+- Pieces are text/pieces.py's `Piece` values as the parser emits them (kind text |
+  reasoning | tool_start | tool_args | tool_end); the parser mints each tool call's id
+  once, with the route's prefix (`tool_id_prefix`: call_ / toolu_ / fc_).
+- Engine refusals are matched by type (engine/interface.py's NotReady / QueueFull).
 """
 from __future__ import annotations
 
@@ -36,23 +41,16 @@ from mashbox.api.common import (
 )
 from mashbox.api.prompt import Prompt
 from mashbox.config import GenerationRequest, StepEvent, Timings
+from mashbox.engine.interface import GenerationHandle, NotReady, QueueFull
+from mashbox.text.parsers import OutputParser
+from mashbox.text.pieces import PIECE_KINDS, Piece
+
+__all__ = ["PIECE_KINDS", "Piece", "ToolCall", "Step", "GenerationError", "Result", "Generation",
+           "EventStream", "timings_json", "finish_failure"]
 
 log = logging.getLogger("mashbox.api")
 
 RETRY_READY_TIMEOUT_S = 300.0  # a restarted worker reloads the model before the retry can run
-
-PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
-
-
-@dataclass(frozen=True)
-class Piece:
-    kind: str  # one of PIECE_KINDS
-    text: str = ""  # text / reasoning / tool_args delta; tool_end: the whole arguments text
-    index: int = 0  # tool call number within the answer (tool_* kinds)
-    id: str = ""  # tool_start: the call's id
-    name: str = ""  # tool_start: the function name
-    valid: bool = True  # tool_end: the arguments parse as a JSON object
-
 
 @dataclass
 class ToolCall:
@@ -66,7 +64,7 @@ class ToolCall:
 
 @dataclass
 class Step:
-    pieces: list  # list[Piece]
+    pieces: list[Piece]
     event: Optional[StepEvent]  # None for the parser's final flush
     finished: bool = False
 
@@ -112,88 +110,6 @@ def timings_json(t: Optional[Timings]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# The parser adapter: text.parsers.OutputParser pieces -> this module's Pieces
-# ---------------------------------------------------------------------------------------
-
-
-class _PlainParser:
-    """No tags to look for: every delta is text."""
-
-    def feed(self, text: str) -> list:
-        return [Piece("text", text)] if text else []
-
-    def finish(self) -> list:
-        return []
-
-
-class _ParserAdapter:
-    def __init__(self, prompt: Prompt, id_prefix: str):
-        from mashbox.text.parsers import OutputParser
-
-        self._parser = OutputParser(reasoning=prompt.parse_reasoning, tools=prompt.parse_tools,
-                                    in_reasoning=prompt.starts_in_reasoning)
-        self._id_prefix = id_prefix
-        self._ids: dict[int, str] = {}
-
-    def feed(self, text: str) -> list:
-        return self._convert(self._parser.feed(text)) if text else []
-
-    def finish(self) -> list:
-        return self._convert(self._parser.finish())
-
-    def _convert(self, raw) -> list:
-        out = []
-        for p in raw:
-            kind = _piece_kind(p)
-            index = int(getattr(p, "index", 0) or 0)
-            if kind == "tool_start":
-                call_id = self._id_prefix + new_id("")[:24]
-                self._ids[index] = call_id
-                out.append(Piece("tool_start", index=index, id=call_id, name=getattr(p, "name", "") or ""))
-            elif kind == "tool_args":
-                out.append(Piece(kind, text=_piece_text(p), index=index, id=self._ids.get(index, "")))
-            elif kind == "tool_end":
-                out.append(Piece(kind, text=getattr(p, "arguments", "") or "", index=index,
-                                 id=self._ids.get(index, ""), valid=bool(getattr(p, "valid", True))))
-            elif kind in ("text", "reasoning"):
-                t = _piece_text(p)
-                if t:
-                    out.append(Piece(kind, text=t))
-        return out
-
-
-_KIND_ALIASES = {
-    "text": "text",
-    "content": "text",
-    "reasoning": "reasoning",
-    "thinking": "reasoning",
-    "tool_call_start": "tool_start",
-    "tool_start": "tool_start",
-    "tool_call_args": "tool_args",
-    "tool_call_delta": "tool_args",
-    "tool_args": "tool_args",
-    "tool_call_end": "tool_end",
-    "tool_end": "tool_end",
-}
-
-
-def _piece_kind(p) -> str:
-    kind = getattr(p, "kind", None)
-    kind = getattr(kind, "value", kind)
-    if kind not in _KIND_ALIASES:
-        raise ValueError(f"unknown parser piece kind {kind!r}")
-    return _KIND_ALIASES[kind]
-
-
-def _piece_text(p) -> str:
-    for name in ("text", "delta"):
-        v = getattr(p, name, None)
-        if isinstance(v, str):
-            return v
-    return ""
-
-
-# ---------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------
 
@@ -230,13 +146,13 @@ class Generation:
         self._retried = False
         self.result = Result(prompt_tokens=len(prompt.ids))
         self._calls: dict[int, ToolCall] = {}
-        self._handle = None
+        self._handle: Optional[GenerationHandle] = None
         self.output_sent = False  # set by a route once a client has received model output
 
-    def _new_parser(self):
-        if self.prompt.parse_tools or self.prompt.parse_reasoning:
-            return _ParserAdapter(self.prompt, self._tool_id_prefix)
-        return _PlainParser()
+    def _new_parser(self) -> OutputParser:
+        p = self.prompt
+        return OutputParser(reasoning=p.parse_reasoning, tools=p.parse_tools, in_reasoning=p.starts_in_reasoning,
+                            id_prefix=self._tool_id_prefix)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -245,10 +161,8 @@ class Generation:
         require_ready(self.api, self.family)
         try:
             self._handle = self.api.engine.submit(self.request)
-        except Exception as exc:
-            if type(exc).__name__ in ("QueueFull", "NotReady"):
-                raise engine_error(exc, self.family) from None
-            raise
+        except (QueueFull, NotReady) as exc:
+            raise engine_error(exc, self.family) from None
 
     def cancel(self) -> None:
         """Stop the engine request (idempotent); a run cut short counts as aborted."""
@@ -305,18 +219,15 @@ class Generation:
     # -- the one retry -----------------------------------------------------------------------
 
     def _may_retry(self) -> bool:
-        """Once, and only while the client has received no model output. A request the
-        engine client already sent again itself (its worker died before any token) has
-        had its one retry."""
-        return not (self.output_sent or self._retried or getattr(self._handle, "resubmitted", False))
+        """Once, and only while the client has received no model output."""
+        return not (self.output_sent or self._retried)
 
     async def _resubmit(self, error: Optional[str]) -> None:
         """Run the request again from the start: fresh parser and result, same request."""
         self._retried = True
-        wait_ready = getattr(self.api.engine, "wait_ready", None)
         try:
-            if wait_ready is not None and not self.api.ready:
-                await wait_ready(RETRY_READY_TIMEOUT_S)
+            if not self.api.ready:  # its worker died: a new one is loading the model
+                await self.api.engine.wait_ready(RETRY_READY_TIMEOUT_S)
             self._handle = self.api.engine.submit(self.request)
         except asyncio.CancelledError:
             raise
@@ -357,7 +268,7 @@ class Generation:
         pieces = self._apply(self._parser.feed(ev.text)) if ev.text else []
         return Step(pieces, ev, finished=ev.finish_reason is not None)
 
-    def _apply(self, pieces: list) -> list:
+    def _apply(self, pieces: list[Piece]) -> list[Piece]:
         r = self.result
         for p in pieces:
             if p.kind == "text":

@@ -54,23 +54,23 @@ def health_json(api: ApiContext) -> dict:
 
 
 def model_json(api: ApiContext) -> dict:
-    info = getattr(api.engine, "info", None) or {}
+    info = api.info
     model = {
         "id": api.model_id,
         "object": "model",
         "owned_by": "mashbox-labs",
         "created": 0,
-        "max_model_len": int(info.get("ctx") or api.engine_config.ctx or 0),
+        "max_model_len": int((info.ctx if info else 0) or api.engine_config.ctx or 0),
         "prefix_cache": True,
-        "slots": int(info.get("slots") or api.engine_config.slots),
+        "slots": int((info.slots if info else 0) or api.engine_config.slots),
         "cache_ram_mib": 0,
     }
-    weights = os.path.basename(info.get("weights_file") or api.engine_config.model_path)
+    weights = os.path.basename((info.weights_file if info else "") or api.engine_config.model_path)
     if weights:
         model["weights"] = weights
-    for key in ("gb", "bpw"):
-        if info.get(key) is not None:
-            model[key] = float(info[key])
+    for key, value in (("gb", info.gb if info else None), ("bpw", info.bpw if info else None)):
+        if value is not None:
+            model[key] = float(value)
     return model
 
 

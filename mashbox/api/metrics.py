@@ -43,9 +43,9 @@ def _num(x) -> str:
 
 def render(api: ApiContext) -> str:
     stats = api.engine.stats() or {}
-    info = getattr(api.engine, "info", None) or {}
-    slots = int(stats.get("slots") or info.get("slots") or api.engine_config.slots)
-    ctx = int(stats.get("ctx") or info.get("ctx") or api.engine_config.ctx or 0)
+    info = api.info
+    slots = int(stats.get("slots") or (info.slots if info else 0) or api.engine_config.slots)
+    ctx = int(stats.get("ctx") or (info.ctx if info else 0) or api.engine_config.ctx or 0)
     finished = {r: 0 for r in FINISHED_REASONS}
     for reason, n in (stats.get("requests_finished") or {}).items():
         finished[_ENGINE_TO_METRIC.get(reason, "error")] += n

@@ -3,15 +3,32 @@
 Rules:
 - One socket to the worker, framed by frames.py, read with `loop.add_reader` (no thread)
   and written without blocking (what the socket does not take waits for `add_writer`).
+- The client implements engine/interface.py's `Engine`; its handles, `GenerationHandle`.
 - A request is *waiting* from submit until the worker says it has a slot (an event with
-  `started`, or its final event). Admission caps count waiting requests only: per tenant
-  (`max_waiting_per_tenant`) and in all (`max_waiting_total`) -> QueueFull(scope).
+  `started`, or its final event), or until it is cancelled: a request whose client is
+  gone stops counting at once, not when the worker acknowledges the cancel. Admission
+  caps count waiting requests only: per tenant (`max_waiting_per_tenant`) and in all
+  (`max_waiting_total`) -> QueueFull(scope). A request is *running* from its `started`
+  event to its final event (cancelled or not: its slot is taken until then).
+- A handle's life is handle.py's table (HANDLE_TRANSITIONS); the client moves it.
 - States: "loading" until the worker's ready frame, "ok" after it. When the worker dies,
   the state goes back to "loading", `restarts` counts it, and a new worker is started.
-  Requests whose handles got no token yet are submitted again to the new worker (once);
-  the others end with a StepEvent(finish_reason="error").
+  Every request it had ends at once: a cancelled one with "cancelled", the others with
+  StepEvent(finish_reason="error"). The client never sends a request twice: the one
+  retry of a request whose client has received nothing lives in api/generation.py,
+  the only layer that knows what its client received (a request can have tokens that
+  no client saw yet, held back by the output parser).
 - A worker that reports a fatal load error is not restarted; `wait_ready` raises
   EngineStartError with its message.
+- Watchdog: while the client has open requests and the worker is ready, some frame must
+  arrive at least every `watchdog_s` (default WATCHDOG_S): a busy worker sends its
+  events every step and an "alive" frame every frames.ALIVE_EVERY_S otherwise (a
+  prompt prefilled in many chunks). A worker that sends nothing for that long (frozen:
+  SIGSTOP, a hung kernel, a dead lock) is killed and handled as a worker that died: its
+  requests end with "error" (Generation retries those whose clients received nothing)
+  and a new one starts; health says "loading" meanwhile. `stalls` counts them. One
+  step longer than watchdog_s would be taken for a freeze: WATCHDOG_S is far above the
+  longest step seen (a 512-token prefill chunk of a 1.7B model on 2 cores, seconds).
 """
 from __future__ import annotations
 
@@ -27,103 +44,19 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent
 from mashbox.engine import frames
+from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+from mashbox.engine.histogram import E2E_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
+from mashbox.engine.interface import EngineInfo, EngineStartError, NotReady, QueueFull
 
 log = logging.getLogger("mashbox.engine.client")
+
+WATCHDOG_S = 60.0  # no frame for this long while requests are open: the worker is frozen
 
 _PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class NotReady(Exception):
-    """The model is loading (or its worker is restarting)."""
-
-
-class QueueFull(Exception):
-    def __init__(self, scope: str) -> None:
-        super().__init__(f"too many requests waiting ({scope})")
-        self.scope = scope  # "tenant" | "total"
-
-
-class EngineStartError(Exception):
-    """The worker could not load the model; the message says why."""
-
-
-# -- metrics --------------------------------------------------------------------------------
-
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
-
-
-class Histogram:
-    """Seconds; reported as cumulative bucket counts the way Prometheus wants them."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        i = 0
-        while i < len(self.buckets) and v > self.buckets[i]:
-            i += 1
-        self.counts[i] += 1
-        self.sum += v
-        self.count += 1
-
-    def to_dict(self) -> dict:
-        cum, out = 0, []
-        for le, c in zip(self.buckets, self.counts):
-            cum += c
-            out.append([le, cum])
-        return {"buckets": out, "sum": self.sum, "count": self.count}
-
-
-# -- one request ----------------------------------------------------------------------------
-
-
-class RequestHandle:
-    """`async for ev in handle` yields StepEvents, the last one with finish_reason."""
-
-    def __init__(self, client: "EngineClient", req: GenerationRequest) -> None:
-        self._client = client
-        self.req = req
-        self.id = req.id
-        self.tenant = req.tenant
-        self.waiting = True  # no slot yet
-        self.finished = False  # the final event was queued
-        self.sent = False  # the worker has it
-        self.resubmitted = False
-        self.cancel_requested = False
-        self.got_tokens = False
-        self.t_submit = time.perf_counter()
-        self.t_first_token: Optional[float] = None
-        self._events: collections.deque[StepEvent] = collections.deque()
-        self._wake = asyncio.Event()
-        self._closed = False  # the consumer saw the final event
-
-    def __aiter__(self) -> "RequestHandle":
-        return self
-
-    async def __anext__(self) -> StepEvent:
-        while not self._events:
-            if self._closed:
-                raise StopAsyncIteration
-            self._wake.clear()
-            await self._wake.wait()
-        ev = self._events.popleft()
-        if ev.finish_reason is not None:
-            self._closed = True
-        return ev
-
-    def cancel(self) -> None:
-        """Idempotent; the final event (finish_reason "cancelled") still comes."""
-        self._client._cancel(self)
-
-    def _push(self, ev: StepEvent) -> None:
-        self._events.append(ev)
-        self._wake.set()
+__all__ = ["EngineClient", "RequestHandle", "HandleState", "IllegalTransition",
+           "NotReady", "QueueFull", "EngineStartError", "WATCHDOG_S"]
 
 
 # -- the client -----------------------------------------------------------------------------
@@ -131,17 +64,24 @@ class RequestHandle:
 
 class EngineClient:
     def __init__(self, engine_config: EngineConfig, server_config: ServerConfig,
-                 *, restart: bool = True) -> None:
+                 *, restart: bool = True, watchdog_s: float = WATCHDOG_S) -> None:
+        if watchdog_s <= 2 * frames.ALIVE_EVERY_S:
+            raise ValueError(f"watchdog_s must be above {2 * frames.ALIVE_EVERY_S} s (twice the worker's "
+                             f"alive interval), not {watchdog_s}")
         self.engine_config = engine_config
         self.server_config = server_config
         self.restart_on_exit = restart
+        self.watchdog_s = watchdog_s
+        self.stalls = 0  # workers killed by the watchdog
         self.state = "loading"
-        self.info: dict = {}
+        self.info: Optional[EngineInfo] = None  # from the first ready frame on
         self.restarts = 0
         self.error: Optional[str] = None  # a fatal load error
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}  # the open ones
+        # Admission: the ids that count toward the caps, with their tenants.
+        self._waiting: dict[str, str] = {}
+        self._in_slot: set[str] = set()  # the ids the worker has given a slot
         self._waiting_by_tenant: collections.Counter[str] = collections.Counter()
-        self._waiting_total = 0
         self._proc: Optional[asyncio.subprocess.Process] = None
         self._sock: Optional[socket.socket] = None
         self._reader: Optional[frames.FrameReader] = None
@@ -151,6 +91,8 @@ class EngineClient:
         self._stopping = False
         self._fails_before_ready = 0
         self._tasks: set[asyncio.Task] = set()
+        self._last_frame = 0.0  # time.monotonic() of the worker's last bytes (or of new work)
+        self._watch: Optional[asyncio.TimerHandle] = None
         # metrics
         self.finished_by_reason: collections.Counter[str] = collections.Counter()
         self.prompt_tokens = 0
@@ -234,6 +176,9 @@ class EngineClient:
         self._send({"op": "start", "config": dataclasses.asdict(self.engine_config)})
 
     def _close_socket(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
         if self._sock is None:
             return
         loop = asyncio.get_running_loop()
@@ -252,32 +197,33 @@ class EngineClient:
         sc = self.server_config
         if self._waiting_by_tenant[req.tenant] >= sc.max_waiting_per_tenant:
             raise QueueFull("tenant")
-        if self._waiting_total >= sc.max_waiting_total:
+        if len(self._waiting) >= sc.max_waiting_total:
             raise QueueFull("total")
+        if not self._handles:
+            self._last_frame = time.monotonic()  # the worker was idle: its silence ends now
         h = RequestHandle(self, req)
         self._handles[req.id] = h
+        self._waiting[req.id] = req.tenant
         self._waiting_by_tenant[req.tenant] += 1
-        self._waiting_total += 1
-        h.sent = True  # before the send: a failed write resubmits it (sets sent False)
-        self._send({"op": "submit", "req": req.to_wire()})
+        self._send({"op": "submit", "req": req.to_wire()})  # a failed write ends it (_worker_gone)
         return h
 
     def _cancel(self, h: RequestHandle) -> None:
-        if h.finished or h.cancel_requested:
-            return
-        h.cancel_requested = True
-        if self.state == "ok" and h.sent:
+        if h.state not in (HandleState.WAITING, HandleState.RUNNING):
+            return  # cancelling already, or over
+        h._goto(HandleState.CANCELLING)
+        self._not_waiting(h)  # its client is gone: it no longer holds a place in the queue
+        if self._sock is not None:
             self._send({"op": "cancel", "id": h.id})
-        else:  # the worker does not have it (restarting): end it here
+        else:  # no worker has it (one just died): end it here
             self._end_locally(h, "cancelled", None)
 
     def _not_waiting(self, h: RequestHandle) -> None:
-        if h.waiting:
-            h.waiting = False
-            self._waiting_by_tenant[h.tenant] -= 1
-            if not self._waiting_by_tenant[h.tenant]:
-                del self._waiting_by_tenant[h.tenant]
-            self._waiting_total -= 1
+        tenant = self._waiting.pop(h.id, None)
+        if tenant is not None:
+            self._waiting_by_tenant[tenant] -= 1
+            if not self._waiting_by_tenant[tenant]:
+                del self._waiting_by_tenant[tenant]
 
     def _end_locally(self, h: RequestHandle, reason: str, error: Optional[str]) -> None:
         self._deliver(StepEvent(id=h.id, finish_reason=reason, error=error,
@@ -285,20 +231,24 @@ class EngineClient:
 
     def _deliver(self, ev: StepEvent) -> None:
         h = self._handles.get(ev.id)
-        if h is None or h.finished:
-            return
+        if h is None:
+            return  # ended here already (a late event of a dead worker's request)
         now = time.perf_counter()
         if ev.started or ev.finish_reason is not None:
             self._not_waiting(h)
+        if ev.started:
+            self._in_slot.add(h.id)
+            if h.state is HandleState.WAITING:
+                h._goto(HandleState.RUNNING)
         if ev.token_ids:
-            h.got_tokens = True
             self.generated_tokens += len(ev.token_ids)
             if h.t_first_token is None:
                 h.t_first_token = now
                 self.h_ttft.observe(now - h.t_submit)
         if ev.finish_reason is not None:
-            h.finished = True
+            h._goto(HandleState.FINISHED)
             del self._handles[ev.id]
+            self._in_slot.discard(ev.id)
             self.finished_by_reason[ev.finish_reason] += 1
             self.prompt_tokens += ev.prompt_tokens
             self.h_e2e.observe(now - h.t_submit)
@@ -350,6 +300,7 @@ class EngineClient:
             if not data:
                 self._worker_gone(gen)
                 return
+            self._last_frame = time.monotonic()
             try:
                 got = self._reader.feed(data)
             except (frames.FrameError, ValueError) as e:
@@ -367,17 +318,14 @@ class EngineClient:
                 self._deliver(StepEvent.from_wire(d))
             self._worker_counters = f.get("counters", self._worker_counters)
         elif op == "ready":
-            self.info = f["info"]
+            self.info = EngineInfo.from_wire(f["info"])
             self.state = "ok"
             self._fails_before_ready = 0
             log.info("engine ready: %s", self.info)
-            for h in list(self._handles.values()):
-                if self._sock is None or self.state != "ok":  # the new worker died already
-                    break
-                if not h.sent:
-                    h.sent = True
-                    self._send({"op": "submit", "req": h.req.to_wire()})
+            self._arm_watchdog(self._gen)
             self._ready.set()
+        elif op == "alive":
+            pass  # a busy worker's step without events: progress all the same
         elif op == "fatal":
             self.error = f.get("message", "the worker failed to load the model")
             log.error("engine worker failed: %s", self.error)
@@ -385,11 +333,36 @@ class EngineClient:
         else:
             log.error("unknown frame op from the worker: %r", op)
 
+    def _arm_watchdog(self, gen: int) -> None:
+        self._watch = asyncio.get_running_loop().call_later(self.watchdog_s / 4, self._check_progress, gen)
+
+    def _check_progress(self, gen: int) -> None:
+        if self._watch is not None:  # called early (a test): one timer chain all the same
+            self._watch.cancel()
+        self._watch = None
+        if gen != self._gen or self._sock is None or self.state != "ok":
+            return
+        silent = time.monotonic() - self._last_frame
+        if self._handles and silent > self.watchdog_s:
+            # Bytes may be waiting that this loop had no time to read (it was blocked).
+            self._on_readable(gen)
+            if gen != self._gen or self._sock is None:
+                return  # it died meanwhile: handled as a death
+            silent = time.monotonic() - self._last_frame
+        if self._handles and silent > self.watchdog_s:
+            log.error("engine worker %s sent nothing for %.1f s with %d requests open; killing it",
+                      self.worker_pid, silent, len(self._handles))
+            self.stalls += 1
+            self._kill_worker()
+            self._worker_gone(gen, f"the engine worker made no progress for {self.watchdog_s:g} s")
+            return
+        self._arm_watchdog(gen)
+
     def _kill_worker(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
             self._proc.kill()
 
-    def _worker_gone(self, gen: int) -> None:
+    def _worker_gone(self, gen: int, why: str = "the engine worker stopped") -> None:
         if gen != self._gen or self._sock is None:
             return
         self._close_socket()
@@ -403,16 +376,10 @@ class EngineClient:
         if not was_ready:
             self._fails_before_ready += 1
         for h in list(self._handles.values()):
-            if self.error is None and not h.got_tokens and not h.resubmitted and not h.cancel_requested:
-                h.resubmitted, h.sent = True, False  # goes to the next worker when it is ready
-                if not h.waiting:
-                    h.waiting = True
-                    self._waiting_by_tenant[h.tenant] += 1
-                    self._waiting_total += 1
-            elif h.cancel_requested:
+            if h.state is HandleState.CANCELLING:
                 self._end_locally(h, "cancelled", None)
             else:
-                self._end_locally(h, "error", "the engine worker stopped")
+                self._end_locally(h, "error", why)
         log.error("engine worker exited%s", "" if self.error is None else f": {self.error}")
         task = asyncio.get_running_loop().create_task(self._reap_and_restart())
         self._tasks.add(task)
@@ -442,18 +409,20 @@ class EngineClient:
         counters = collections.Counter(self._counter_base)
         for k, v in self._worker_counters.items():
             counters[k] += v
-        running = sum(1 for h in self._handles.values() if not h.waiting)
-        slots = int(self.info.get("slots", self.engine_config.slots))
+        running = len(self._in_slot)
+        info = self.info
+        slots = info.slots if info is not None else self.engine_config.slots
         return {
             "state": self.state,
             "running": running,
-            "waiting": self._waiting_total,
+            "waiting": len(self._waiting),
             "slots": slots,
             "slots_used": running,
             "kv_cache_usage": running / slots if slots else 0.0,
-            "ctx": int(self.info.get("ctx", self.engine_config.ctx or 0)),
+            "ctx": info.ctx if info is not None else int(self.engine_config.ctx or 0),
             "worker_pid": self.worker_pid,
             "worker_restarts": self.restarts,
+            "worker_stalls": self.stalls,
             "requests_finished": dict(self.finished_by_reason),
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

@@ -10,6 +10,7 @@ Frames (every one a JSON object with an "op"):
                     {"op": "shutdown"}
   worker -> server: {"op": "ready", "info": {...}}                    (first frame)
                     {"op": "events", "events": [StepEvent.to_wire(), ...]}  (one a step)
+                    {"op": "alive"}   (a step without events, at most every ALIVE_EVERY_S)
                     {"op": "fatal", "message": str}   (load failed; the worker exits 2)
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import struct
 import orjson
 
 _HEADER = struct.Struct(">I")
+ALIVE_EVERY_S = 0.5  # a busy worker's silence is never longer (but for one long step)
 MAX_FRAME = 1 << 30  # a frame this big means the stream is corrupt, not a real message
 
 

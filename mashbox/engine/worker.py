@@ -258,6 +258,7 @@ class _Pipe:
 
 
 def serve(pipe: _Pipe, engine: Engine) -> None:
+    last_sent = time.monotonic()
     while True:
         for f in pipe.receive(wait=not engine.has_work):
             op = f.get("op")
@@ -274,9 +275,14 @@ def serve(pipe: _Pipe, engine: Engine) -> None:
             log.info("server closed the pipe; exiting")
             return
         events = engine.step()
+        now = time.monotonic()
         if events:
             pipe.send({"op": "events", "events": [e.to_wire() for e in events],
                        "counters": engine.counters()})
+            last_sent = now
+        elif now - last_sent >= frames.ALIVE_EVERY_S:  # the client's watchdog hears progress
+            pipe.send({"op": "alive"})
+            last_sent = now
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,5 +1,8 @@
 """The output parser: model text, as it streams, -> text, reasoning and tool-call pieces.
 
+(Over 450 lines: one state machine and the JSON scanner of its CALL state, which works on
+the parser's own buffer and positions; split apart, both would share that state.)
+
 States and transitions (the table `TRANSITIONS`; a state watches only the tags of the
 features turned on):
 
@@ -38,66 +41,35 @@ Rules:
 - Priming: a prompt that already holds the start of the model's answer (an opened
   <think>, or a forced `<tool_call>{"name": "x", "arguments": `) is handled by
   `in_reasoning=True` or by feeding that text first: the parser reads it as output.
-- Call ids are "call_" + 24 random characters; the api layer may re-prefix them.
+- Pieces are text/pieces.py's `Piece` values (kinds text | reasoning | tool_start |
+  tool_args | tool_end); api/generation.py yields them as they are and the api writers
+  read them.
+- Tool-call ids are minted here, once, when a call is committed: the route's prefix
+  (`id_prefix`: call_ / toolu_ / fc_) and 24 hex characters; every piece of the call
+  carries it.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
-import secrets
-import string
-from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional, Union
+from typing import Callable, Optional
+
+from mashbox.text.pieces import (  # noqa: F401 - the pieces are the parser's output: importable from here
+    PIECE_KINDS,
+    Piece,
+    Reasoning,
+    Text,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    new_call_id,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")
-
-
-# -- pieces -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Text:
-    text: str
-    kind: ClassVar[str] = "text"
-
-
-@dataclass(frozen=True)
-class Reasoning:
-    text: str
-    kind: ClassVar[str] = "reasoning"
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int  # 0, 1, ... within this output
-    id: str
-    name: str
-    kind: ClassVar[str] = "tool_call_start"
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    index: int
-    delta: str  # JSON text; the deltas of one call concatenate to its arguments
-    kind: ClassVar[str] = "tool_call_args"
-
-
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    arguments: str  # the whole arguments text (what the deltas added up to)
-    valid: bool  # it parses as a JSON object
-    kind: ClassVar[str] = "tool_call_end"
-
-
-Piece = Union[Text, Reasoning, ToolCallStart, ToolCallArgs, ToolCallEnd]
-
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 # -- the state table --------------------------------------------------------------------------
@@ -175,13 +147,14 @@ class OutputParser:
         reasoning: bool = False,
         tools: bool = False,
         in_reasoning: bool = False,
-        call_id: Callable[[], str] = new_call_id,
+        id_prefix: str = "call_",
+        call_id: Optional[Callable[[], str]] = None,  # tests: fixed ids; default new_call_id(id_prefix)
         think_tags: tuple[str, str] = (THINK_OPEN, THINK_CLOSE),
         call_tags: tuple[str, str] = (CALL_OPEN, CALL_CLOSE),
     ):
         self._think_open, self._think_close = think_tags
         self._call_open, self._call_close = call_tags
-        self._new_id = call_id
+        self._new_id = call_id if call_id is not None else (lambda: new_call_id(id_prefix))
         self._tags = {THINK_OPEN: self._think_open, THINK_CLOSE: self._think_close,
                       CALL_OPEN: self._call_open, CALL_CLOSE: self._call_close}
         # What each plain state watches for: [(tag text, next state)].
@@ -249,6 +222,7 @@ class OutputParser:
         """Emit what is safe in TEXT / REASONING; True when a tag moved to another state."""
         watch = self._watch[self._state]
         piece = Text if self._state is State.TEXT else Reasoning
+        final_strip = self._state is State.REASONING
         while True:
             if self._strip_lead:
                 rest = self._buf.lstrip()
@@ -276,7 +250,7 @@ class OutputParser:
                 self._strip_lead = True
                 return True
             if final:
-                text = self._buf if piece is Text else self._buf.rstrip()
+                text = self._buf.rstrip() if final_strip else self._buf
                 if text:
                     out.append(piece(text))
                 self._buf = ""
@@ -506,23 +480,23 @@ class OutputParser:
                 delta = buf[call.args_sent : upto]
                 call.args_sent = upto
                 call.args_text.append(delta)
-                out.append(ToolCallArgs(call.index, delta))
+                out.append(ToolCallArgs(call.index, delta, call.id))
         elif call.args_whole is not None and not call.args_text:
             call.args_text.append(call.args_whole)
-            out.append(ToolCallArgs(call.index, call.args_whole))
+            out.append(ToolCallArgs(call.index, call.args_whole, call.id))
 
     def _end_call(self, out: list, call: _Call, buf: str) -> None:
         if call.phase is not _Phase.BROKEN:
             self._stream_args(out, call, buf)
         if call.args_start is None:
             call.args_text.append("{}")
-            out.append(ToolCallArgs(call.index, "{}"))
+            out.append(ToolCallArgs(call.index, "{}", call.id))
         arguments = "".join(call.args_text)
         try:
             valid = isinstance(json.loads(arguments), dict)
         except json.JSONDecodeError:
             valid = False
-        out.append(ToolCallEnd(call.index, arguments, valid))
+        out.append(ToolCallEnd(call.index, arguments, valid, call.id))
 
     def _as_text(self, out: list, call: _Call, upto: int) -> bool:
         """An uncommitted call that turned out not to be one: its text, as written."""
@@ -556,17 +530,14 @@ def _close_at(buf: str, pos: int, close: str) -> str:
     return "no"
 
 
-def _merged(pieces: list) -> list:
+def _merged(pieces: list[Piece]) -> list[Piece]:
     """Adjacent text / reasoning / same-call argument pieces joined."""
-    out: list = []
+    out: list[Piece] = []
     for p in pieces:
         last = out[-1] if out else None
-        if last is not None and type(last) is type(p):
-            if isinstance(p, (Text, Reasoning)):
-                out[-1] = type(p)(last.text + p.text)
-                continue
-            if isinstance(p, ToolCallArgs) and p.index == last.index:
-                out[-1] = ToolCallArgs(p.index, last.delta + p.delta)
-                continue
+        if last is not None and last.kind == p.kind and p.kind in ("text", "reasoning", "tool_args") \
+                and last.index == p.index:
+            out[-1] = dataclasses.replace(last, text=last.text + p.text)
+            continue
         out.append(p)
     return out

@@ -7,9 +7,14 @@ server (conftest.py).
 
 `ScriptedEngine.script(req) -> list[StepEvent | float | Exception]` decides what a
 submitted request yields (a number: that many seconds without an event); an Exception
-item first is raised from submit() instead (QueueFull, NotReady). `InProcessServer` runs the real app (router, guard, routes) on a real
-socket in a thread with its own event loop; `server_fixtures` makes a wire test
-module's `script`, `engine` and `app` fixtures around them.
+item first is raised from submit() instead (QueueFull, NotReady). `InProcessServer` runs
+the real app (router, guard, routes) on a real socket in a thread with its own event
+loop; `server_fixtures` makes a wire test module's `script`, `engine` and `app` fixtures
+around them.
+
+The double implements engine/interface.py's `Engine` and `GenerationHandle` and raises
+that module's own NotReady / QueueFull (re-exported here for the tests), so the api
+layer treats it exactly as the EngineClient.
 """
 from __future__ import annotations
 
@@ -20,16 +25,10 @@ from typing import Callable, Optional
 import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent, Timings
+from mashbox.engine.interface import Engine, EngineInfo, GenerationHandle, NotReady, QueueFull
 
-
-class QueueFull(Exception):
-    def __init__(self, scope: str):
-        super().__init__(scope)
-        self.scope = scope
-
-
-class NotReady(Exception):
-    pass
+__all__ = ["EngineInfo", "NotReady", "QueueFull", "ScriptedEngine", "ScriptedHandle", "InProcessServer",
+           "server_fixtures", "text_events"]
 
 
 def text_events(req: GenerationRequest, pieces: list[str], finish: str = "stop",
@@ -50,6 +49,7 @@ class ScriptedHandle:
     def __init__(self, engine: "ScriptedEngine", req: GenerationRequest, events: list):
         self.engine = engine
         self.req = req
+        self.id = req.id
         self.events = list(events)
         self.cancelled = False
 
@@ -77,14 +77,22 @@ class ScriptedEngine:
     def __init__(self, script: Callable[[GenerationRequest], list], ready: bool = True, ctx: int = 256):
         self.script = script
         self.state = "ok" if ready else "loading"
-        self.info = {"model_id": "scripted", "ctx": ctx, "slots": 2} if ready else {}
+        self.info: Optional[EngineInfo] = EngineInfo(model_id="scripted", ctx=ctx, slots=2) if ready else None
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[str] = []
         self.delay_s = 0.0
-        self.error = None
+        self.error: Optional[str] = None
 
     async def start(self) -> None:
         pass
+
+    async def wait_ready(self, timeout: Optional[float] = None) -> None:
+        """Until a test sets `state` to "ok" (from its own thread: so this looks, rather
+        than waits on an event of this loop)."""
+        async def ok():
+            while self.state != "ok":
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(ok(), timeout)
 
     async def stop(self) -> None:
         pass
@@ -99,7 +107,8 @@ class ScriptedEngine:
         return ScriptedHandle(self, req, events)
 
     def stats(self) -> dict:
-        return {"running": 0, "waiting": 0, "slots": 2, "kv_cache_usage": 0.0, "ctx": self.info.get("ctx", 0),
+        return {"running": 0, "waiting": 0, "slots": 2, "kv_cache_usage": 0.0,
+                "ctx": self.info.ctx if self.info is not None else 0,
                 "worker_pid": None, "worker_restarts": 0, "requests_finished": {"stop": 1},
                 "prompt_tokens": 10, "generated_tokens": 5, "prefix_cache_hit_tokens": 2, "preemptions": 0,
                 "histograms": {}}
@@ -113,7 +122,8 @@ class InProcessServer:
         self.engine = engine
         self.template_source = template_source
         self.server_config = server_config or ServerConfig(host="127.0.0.1", port=0)
-        self.engine_config = EngineConfig(model_path=model_path, model_id="scripted", ctx=engine.info.get("ctx"))
+        self.engine_config = EngineConfig(model_path=model_path, model_id="scripted",
+                                          ctx=engine.info.ctx if engine.info is not None else None)
         self.base_url = ""
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stop: Optional[asyncio.Event] = None
@@ -185,3 +195,8 @@ def server_fixtures(make_script: Callable[[], Callable], ctx: int, template_sour
             yield s
 
     return script, engine, app
+
+
+def _conforms(engine: ScriptedEngine, handle: ScriptedHandle) -> tuple[Engine, GenerationHandle]:
+    """Never called: a type checker checks here that the double matches the Protocols."""
+    return engine, handle

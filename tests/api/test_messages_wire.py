@@ -53,7 +53,7 @@ def text_layer(default_model_path):
 def make_api(text_layer, engine) -> common.ApiContext:
     tokenizer, template = text_layer
     return common.ApiContext(server_config=ServerConfig(), engine_config=EngineConfig(
-        model_path="unused", model_id="scripted", ctx=engine.info["ctx"]),
+        model_path="unused", model_id="scripted", ctx=engine.info.ctx),
         engine=engine, tokenizer=tokenizer, template=template)
 
 

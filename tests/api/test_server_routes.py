@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from api_scripted_engine import InProcessServer, ScriptedEngine, text_events
+from api_scripted_engine import EngineInfo, InProcessServer, ScriptedEngine, text_events
 
 SPEC_ROUTES = {
     ("get", "/v1/health"), ("get", "/health"), ("get", "/"), ("head", "/v1/health"), ("get", "/v1/models"),
@@ -111,7 +111,7 @@ def test_loading_answers(default_model_path):
         assert r.json()["error"]["type"] == "server_error"
         r = httpx.post(app.base_url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503
-        engine.state, engine.info = "ok", {"model_id": "scripted", "ctx": 64, "slots": 2}
+        engine.state, engine.info = "ok", EngineInfo(model_id="scripted", ctx=64, slots=2)
         assert httpx.get(app.base_url + "/health").json()["status"] == "ok"
         r = httpx.post(app.base_url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "x"

@@ -20,26 +20,14 @@ import sys
 
 import pytest
 
-from mashbox.config import GenerationRequest, SamplingParams
-
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_harness import chat, run_default  # noqa: E402
+from engine_harness import chat, collect, req, run_default  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOKENS = 64
 CHUNK = 8  # the crowded engine's prefill budget per step
 GREEDY = dict(temperature=0.0)
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
-
-
-async def collect(handle) -> tuple[list[int], object]:
-    events = [ev async for ev in handle]
-    return [t for ev in events for t in ev.token_ids], events[-1]
-
-
-def req(rid: str, ids: list[int], max_tokens: int = TOKENS, **sampling) -> GenerationRequest:
-    return GenerationRequest(id=rid, tenant="t", prompt_ids=tuple(ids), sampling=SamplingParams(**sampling),
-                             max_tokens=max_tokens, ignore_eos=True)
 
 
 def test_cold_warm_and_crowded_requests_give_identical_tokens(default_model_path):
@@ -56,14 +44,16 @@ def test_cold_warm_and_crowded_requests_give_identical_tokens(default_model_path
         out = {}
         for phase in ("cold", "warm"):
             for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
-                out[phase, name] = await collect(client.submit(req(f"{phase}-{name}", question, **sampling)))
+                out[phase, name] = await collect(client.submit(
+                    req(f"{phase}-{name}", question, TOKENS, ignore_eos=True, **sampling)))
         return out
 
     async def crowded(client):
         results = {}
         for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
-            hs = [client.submit(req(f"{name}-o{i}", p, 40 + 8 * i, **SEEDED)) for i, p in enumerate(others)]
-            hs.append(client.submit(req(f"crowd-{name}", question, **sampling)))
+            hs = [client.submit(req(f"{name}-o{i}", p, 40 + 8 * i, ignore_eos=True, **SEEDED))
+                  for i, p in enumerate(others)]
+            hs.append(client.submit(req(f"crowd-{name}", question, TOKENS, ignore_eos=True, **sampling)))
             done = await asyncio.gather(*(collect(h) for h in hs))
             results[name] = done[-1]
         return results
@@ -71,9 +61,9 @@ def test_cold_warm_and_crowded_requests_give_identical_tokens(default_model_path
     single = run_default(alone, default_model_path, ctx=1024)
     crowd = run_default(crowded, default_model_path, ctx=1024, prefill_chunk=CHUNK)
     for name in ("greedy", "seeded"):
-        cold_ids, cold_final = single["cold", name]
-        warm_ids, warm_final = single["warm", name]
-        crowd_ids, crowd_final = crowd[name]
+        cold_ids, _, cold_final, _ = single["cold", name]
+        warm_ids, _, warm_final, _ = single["warm", name]
+        crowd_ids, _, crowd_final, _ = crowd[name]
         assert len(cold_ids) == TOKENS
         if name == "greedy":  # the first request of each engine; the seeded ones find the prompt cached
             assert cold_final.timings.cache_n == 0

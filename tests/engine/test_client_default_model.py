@@ -7,10 +7,8 @@ import sys
 
 import pytest
 
-from mashbox.config import GenerationRequest, SamplingParams
-
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_harness import chat, run_default  # noqa: E402
+from engine_harness import chat, collect, req, run_default  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -20,16 +18,6 @@ def tok(default_model_path):
     from mashbox.text.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_path)
-
-
-async def collect(handle):
-    events = [ev async for ev in handle]
-    return [t for ev in events for t in ev.token_ids], "".join(ev.text for ev in events), events[-1]
-
-
-def req(rid, ids, max_tokens, **sampling):
-    return GenerationRequest(id=rid, tenant="t", prompt_ids=tuple(ids),
-                             sampling=SamplingParams(**sampling), max_tokens=max_tokens)
 
 
 def test_concurrent_requests_eos_and_seeds(default_model_path, tok):
@@ -51,7 +39,7 @@ def test_concurrent_requests_eos_and_seeds(default_model_path, tok):
         return greedy_alone, seeded_alone, crowd, crowd2, client.stats()
 
     greedy_alone, seeded_alone, crowd, crowd2, stats = run_default(main, default_model_path)
-    ids, text, final = greedy_alone
+    ids, text, final, _ = greedy_alone
     assert final.finish_reason == "stop", (text, final)  # <|im_end|> ends the turn
     assert "Paris" in text and "<|im_end|>" not in text
     assert ids[-1] in tok.eos_ids

@@ -6,71 +6,35 @@ socket pipe, so what is checked is what the server will see.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import sys
+import time
 
 import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig
-from mashbox.engine.client import EngineClient, EngineStartError, NotReady, QueueFull
+from mashbox.engine.client import EngineClient
+from mashbox.engine.interface import EngineStartError, NotReady, QueueFull
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_harness import run_client  # noqa: E402
-from tiny_model import hf_greedy, make_tiny_llama  # noqa: E402
+from engine_harness import collect, first_event, req, run_client, tiny_config  # noqa: E402
+from tiny_model import hf_greedy  # noqa: E402
 
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig(), **client_kw):
+    return run_client(coro_fn, cfg, server, timeout=TIMEOUT, **client_kw)
 
 
-@pytest.fixture(scope="module")
-def tiny_tok(tiny):
-    from mashbox.text.tokenizer import load_tokenizer
-
-    return load_tokenizer(tiny)
-
-
-def engine_cfg(path: str, **kw) -> EngineConfig:
-    base = dict(model_path=path, model_id="tiny", slots=4, ctx=2048, dtype="float32",
-                device="cpu", prefill_chunk=64, prefix_block=16, threads=1)
-    base.update(kw)
-    return EngineConfig(**base)
-
-
-def run(coro_fn, cfg: EngineConfig, server: ServerConfig = ServerConfig()):
-    return run_client(coro_fn, cfg, server, timeout=TIMEOUT)
-
-
-def greq(rid: str, ids, max_tokens: int = 8, tenant: str = "t", **sampling) -> GenerationRequest:
-    return GenerationRequest(id=rid, tenant=tenant, prompt_ids=tuple(ids),
-                             sampling=SamplingParams(**sampling), max_tokens=max_tokens,
-                             ignore_eos=True)
-
-
-async def collect(handle):
-    """(token ids, text, final event, all events)"""
-    events = [ev async for ev in handle]
-    ids = [t for ev in events for t in ev.token_ids]
-    return ids, "".join(ev.text for ev in events), events[-1], events
-
-
-async def first_event(handle, want_tokens: bool):
-    """Events until one with tokens (or any, when not want_tokens); returns them."""
-    seen = []
-    async for ev in handle:
-        seen.append(ev)
-        if ev.finish_reason or (ev.token_ids if want_tokens else True):
-            return seen
-    return seen
+greq = functools.partial(req, ignore_eos=True)  # random weights: every request runs to max_tokens
 
 
 def test_ready_info_and_not_ready_while_loading(tiny):
     async def main():
-        client = EngineClient(engine_cfg(tiny), ServerConfig())
+        client = EngineClient(tiny_config(tiny), ServerConfig())
         await client.start()
         try:
             assert client.state == "loading"
@@ -79,11 +43,11 @@ def test_ready_info_and_not_ready_while_loading(tiny):
             await client.wait_ready(timeout=TIMEOUT)
             assert client.state == "ok"
             info = client.info
-            assert info["model_id"] == "tiny" and info["ctx"] == 2048 and info["slots"] == 4
-            assert info["vocab_size"] == 320 and info["arch"] == "llama"
-            assert info["dtype"] == "float32" and info["device"] == "cpu"
-            assert info["weights_file"].endswith(".safetensors") and info["gb"] > 0 and info["bpw"] == 32
-            assert client.worker_pid == info["pid"]
+            assert info.model_id == "tiny" and info.ctx == 2048 and info.slots == 4
+            assert info.vocab_size == 320 and info.arch == "llama"
+            assert info.dtype == "float32" and info.device == "cpu"
+            assert info.weights_file.endswith(".safetensors") and info.gb > 0 and info.bpw == 32
+            assert client.worker_pid == info.pid
         finally:
             await client.stop()
     asyncio.run(main())
@@ -107,7 +71,7 @@ def test_concurrent_requests_match_transformers_greedy(tiny, tiny_tok):
         results = await asyncio.gather(*(collect(h) for h in handles))
         return results, client.stats()
 
-    results, stats = run(main, engine_cfg(tiny))
+    results, stats = run(main, tiny_config(tiny))
     for i, (ids, text, final, events) in enumerate(results):
         assert ids == want[i], f"request {i}"
         assert final.finish_reason == "length"
@@ -148,7 +112,7 @@ def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok, record_pro
         rest2 = await asyncio.gather(collect(greedy_crowd), *(collect(h) for h in hs))
         return alone1, alone2, other_seed, rest[0][0], greedy_alone, rest2[0][0]
 
-    alone1, alone2, other_seed, crowd, greedy_alone, greedy_crowd = run(main, engine_cfg(tiny))
+    alone1, alone2, other_seed, crowd, greedy_alone, greedy_crowd = run(main, tiny_config(tiny))
     assert alone1 == alone2
     assert other_seed != alone1  # the seed matters
     # Recorded, not asserted: the batch's make-up changes low bits of the logits (MKL
@@ -177,7 +141,7 @@ def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
         b = await collect(client.submit(greq("b", second, 6)))
         return a, b, before, client.stats()
 
-    a, b, before, after = run(main, engine_cfg(tiny, slots=2, prefill_chunk=256))
+    a, b, before, after = run(main, tiny_config(tiny, slots=2, prefill_chunk=256))
     ta, tb = a[2].timings, b[2].timings
     assert ta.prompt_n == 1003 and ta.cache_n == 0
     assert tb.cache_n == 1000 and tb.prompt_n == 5  # only the new tokens were prefilled
@@ -199,7 +163,7 @@ def test_running_request_prefix_is_copied_not_recomputed(tiny, tiny_tok):
         await collect(a)
         return b, client.stats()
 
-    b, stats = run(main, engine_cfg(tiny, slots=2, prefill_chunk=256))
+    b, stats = run(main, tiny_config(tiny, slots=2, prefill_chunk=256))
     assert b[2].timings.cache_n == 1000 and b[2].timings.prompt_n == 5
     assert stats["prefix_cache_copies"] == 1
     assert b[0] == hf_greedy(tiny, second, 6)  # the copied K/V give the right tokens
@@ -227,7 +191,7 @@ def test_cancel_queued_prefilling_and_decoding(tiny, tiny_tok):
                                        for i in range(2)))
         return finals, stats, after
 
-    finals, stats, after = run(main, engine_cfg(tiny, slots=2, prefill_chunk=8))
+    finals, stats, after = run(main, tiny_config(tiny, slots=2, prefill_chunk=8))
     q, pre, dec = finals
     assert [f.finish_reason for f in finals] == ["cancelled"] * 3
     assert not q.started and q.timings.predicted_n == 0 and q.timings.prompt_n == 0
@@ -256,31 +220,105 @@ def test_queue_caps_per_tenant_and_total(tiny, tiny_tok):
         await collect(busy)
         return e1.value.scope, e2.value.scope, waiting, done
 
-    s1, s2, waiting, done = run(main, engine_cfg(tiny, slots=1), server)
+    s1, s2, waiting, done = run(main, tiny_config(tiny, slots=1), server)
     assert (s1, s2, waiting) == ("tenant", "total", 3)
     assert all(d[2].finish_reason == "length" for d in done)
 
 
-def test_killed_worker_is_restarted(tiny, tiny_tok):
+def test_a_cancelled_request_stops_counting_toward_the_caps_at_once(tiny):
+    """Clients that disconnect free their place in the queue before the worker has seen
+    the cancel (issue 10: under a disconnect storm, new requests of the tenant got 429)."""
+    server = ServerConfig(max_waiting_per_tenant=2, max_waiting_total=3)
+
+    async def main(client):
+        busy = client.submit(greq("busy", [5, 6, 7], 1900))
+        await first_event(busy, want_tokens=True)  # the only slot is taken
+        gone = [client.submit(greq(f"x{i}", [8, 9], 2, tenant="x")) for i in range(2)]
+        for h in gone:
+            h.cancel()  # no await in between: the worker cannot have acknowledged it
+        stats = client.stats()
+        fresh = [client.submit(greq(f"x{i}", [8, 9], 2, tenant="x")) for i in range(2, 4)]
+        more = client.submit(greq("y0", [8, 9], 2, tenant="y"))
+        busy.cancel()
+        done = await asyncio.gather(*(collect(h) for h in gone + fresh + [more, busy]))
+        return stats, [d.final.finish_reason for d in done], client.stats()
+
+    stats, reasons, after = run(main, tiny_config(tiny, slots=1), server)
+    assert stats["waiting"] == 0 and stats["running"] == 1
+    assert reasons == ["cancelled", "cancelled", "length", "length", "length", "cancelled"]
+    assert after["waiting"] == 0 and after["running"] == 0
+
+
+def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
     async def main(client):
         running = client.submit(greq("run", [5, 6, 7], 1900))
         await first_event(running, want_tokens=True)
-        queued = client.submit(greq("wait", tiny_tok.encode("hello world"), 6))  # no tokens yet
+        queued = client.submit(greq("wait", tiny_tok.encode("hello world"), 6))  # no slot, no tokens
         pid = client.worker_pid
         os.kill(pid, signal.SIGKILL)
-        ids, _, final, _ = await collect(running)
-        assert final.finish_reason == "error" and "worker" in final.error
+        r_final = (await collect(running)).final
+        q = await collect(queued)
         assert client.state == "loading"
         await client.wait_ready(timeout=TIMEOUT)
         assert client.worker_pid != pid and client.stats()["worker_restarts"] == 1
-        # the request that had received nothing was submitted again to the new worker
-        q_ids, _, q_final, _ = await collect(queued)
-        fresh, _, f_final, _ = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
-        return q_ids, q_final, f_final
+        fresh = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
+        return r_final, q, fresh.final, client.stats()
 
-    q_ids, q_final, f_final = run(main, engine_cfg(tiny, slots=1))
-    assert q_final.finish_reason == "length" and len(q_ids) == 6
+    r_final, q, f_final, stats = run(main, tiny_config(tiny, slots=1))
+    # The engine never sends a request twice (the api's Generation holds the one retry,
+    # test_retry.py): both requests of the dead worker end with the error.
+    assert r_final.finish_reason == "error" and "worker" in r_final.error
+    assert q.final.finish_reason == "error" and "worker" in q.final.error and q.ids == []
     assert f_final.finish_reason == "length"
+    assert stats["requests_finished"] == {"error": 2, "length": 1}
+    assert stats["waiting"] == 0 and stats["running"] == 0
+
+
+def test_a_frozen_worker_is_killed_and_restarted(tiny):
+    """SIGSTOP: the worker lives but sends nothing. The watchdog notices (here after 2 s,
+    WATCHDOG_S in the server), kills it, ends its requests and starts another."""
+    watchdog_s = 2.0
+
+    async def main(client):
+        busy = client.submit(greq("busy", [5, 6, 7], 1900))
+        await first_event(busy, want_tokens=True)
+        pid = client.worker_pid
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        final = (await collect(busy)).final  # ends only when the watchdog acts
+        noticed_after = time.monotonic() - t0
+        state_then = client.state
+        await client.wait_ready(timeout=TIMEOUT)
+        fresh = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # the frozen worker was killed and reaped
+        return final, noticed_after, state_then, pid, client.worker_pid, fresh.final, client.stats()
+
+    final, noticed_after, state_then, pid, new_pid, f_final, stats = run(
+        main, tiny_config(tiny, slots=1), watchdog_s=watchdog_s)
+    assert final.finish_reason == "error" and "no progress for 2 s" in final.error
+    assert noticed_after >= watchdog_s  # not before its time
+    assert state_then == "loading" and new_pid != pid
+    assert stats["worker_stalls"] == 1 and stats["worker_restarts"] == 1
+    assert f_final.finish_reason == "length"
+
+
+def test_an_idle_worker_is_not_taken_for_a_frozen_one(tiny):
+    """The watchdog counts silence only while there is work: an idle worker sends nothing,
+    and a request after a long idle is not taken for a stall."""
+    watchdog_s = 1.5
+
+    async def main(client):
+        await collect(client.submit(greq("a", [5, 6, 7], 2)))
+        pid = client.worker_pid
+        await asyncio.sleep(2 * watchdog_s)  # idle past the watchdog: the time is what is tested
+        b = client.submit(greq("b", [5, 6, 7], 2))
+        client._check_progress(client._gen)  # a check at once, before the worker can answer
+        return (await collect(b)).final, pid, client.worker_pid, client.stats()
+
+    b, pid, pid_after, stats = run(main, tiny_config(tiny, slots=1), watchdog_s=watchdog_s)
+    assert b.finish_reason == "length"
+    assert pid_after == pid and stats["worker_stalls"] == 0
 
 
 def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
@@ -298,7 +336,7 @@ def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):
             stops=(stop, "never-there"), max_tokens=30)))
         return s
 
-    ids, text, final, _ = run(main, engine_cfg(tiny))
+    ids, text, final, _ = run(main, tiny_config(tiny))
     assert final.finish_reason == "stop_sequence" and final.stop_sequence == stop
     assert text == ref_text[:at]
     assert ids == ref[: len(ids)] and len(ids) < 30
@@ -311,7 +349,7 @@ def test_context_end_oversized_prompt_and_bad_ids(tiny):
         bad_id = await collect(client.submit(greq("bad", [5, 320, 6], 4)))
         return fits, too_long, bad_id
 
-    fits, too_long, bad_id = run(main, engine_cfg(tiny, ctx=64, prefill_chunk=16))
+    fits, too_long, bad_id = run(main, tiny_config(tiny, ctx=64, prefill_chunk=16))
     assert bad_id[2].finish_reason == "error" and "vocabulary" in bad_id[2].error
     assert fits[2].finish_reason == "length" and len(fits[0]) == 4  # 60 + 4 = the whole slot
     assert too_long[2].finish_reason == "error" and "65 tokens" in too_long[2].error
@@ -351,7 +389,7 @@ def test_penalties_read_prompt_and_generated_history(tiny, tiny_tok):
         other = client.submit(greq("plain", prompt, 16))  # same batch, no penalties
         return await asyncio.gather(collect(pen), collect(other))
 
-    pen, other = run(main, engine_cfg(tiny))
+    pen, other = run(main, tiny_config(tiny))
     assert pen[0] == want
     assert other[0] == plain
 
@@ -361,16 +399,49 @@ def test_model_that_cannot_load_is_reported_not_restarted(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 64)  # a header and nothing that parses
 
     async def main():
-        client = EngineClient(engine_cfg(str(bad)), ServerConfig())
+        client = EngineClient(tiny_config(str(bad)), ServerConfig())
         await client.start()
         try:
             with pytest.raises(EngineStartError) as e:
                 await client.wait_ready(timeout=TIMEOUT)
-            await asyncio.sleep(1.0)  # a restart would have begun by now
-            return str(e.value), client.state, client.restarts, client.error
+            proc = client._proc
+            await asyncio.wait_for(proc.wait(), TIMEOUT)  # the worker exits after its fatal frame
+            # Until the client has seen the exit (socket closed) and its restart decision
+            # ran to its end (no task left), or it restarted the worker after all.
+            while (client._sock is not None or client._tasks) and client.restarts == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(EngineStartError):
+                await client.wait_ready(timeout=TIMEOUT)  # still the same answer, at once
+            return str(e.value), client.state, client.restarts, client.error, client._proc is proc
         finally:
             await client.stop()
 
-    message, state, restarts, error = asyncio.run(main())
+    message, state, restarts, error, same_worker = asyncio.run(main())
     assert "broken.gguf" in message and message == error
-    assert state == "loading" and restarts == 0
+    assert state == "loading" and restarts == 0 and same_worker
+
+
+def test_handle_state_table_moves_only_along_its_edges():
+    from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+
+    assert set(HANDLE_TRANSITIONS) == set(HandleState)
+    for path in ([HandleState.RUNNING, HandleState.FINISHED, HandleState.CLOSED],
+                 [HandleState.CANCELLING, HandleState.FINISHED, HandleState.CLOSED],
+                 [HandleState.RUNNING, HandleState.CANCELLING, HandleState.FINISHED],
+                 [HandleState.FINISHED]):
+        h = RequestHandle(None, greq("r", [5], 1))
+        for state in path:
+            h._goto(state)
+        assert h.state is path[-1]
+    for start in HandleState:
+        for target in HandleState:
+            if target in HANDLE_TRANSITIONS[start]:
+                continue
+            h = RequestHandle(None, greq("r", [5], 1))
+            h.state = start
+            with pytest.raises(IllegalTransition):
+                h._goto(target)
+            assert h.state is start  # an illegal move changes nothing
+    # e.g. no event after the final one, no return from CANCELLING, nothing after CLOSED
+    assert HANDLE_TRANSITIONS[HandleState.CLOSED] == frozenset()
+    assert HandleState.RUNNING not in HANDLE_TRANSITIONS[HandleState.CANCELLING]

@@ -296,7 +296,7 @@ def test_forced_call_prefix_encodes_and_primes_the_parser(which, smol_chat, smol
     parser = OutputParser(tools=True, call_id=lambda: "call_x")
     assert parser.feed(prompt.assistant_prefix) == [ToolCallStart(0, "call_x", "get_weather")]
     pieces = parser.feed('{"city": "Paris"}}\n</tool_call>') + parser.finish()
-    assert pieces == [ToolCallArgs(0, '{"city": "Paris"}'), ToolCallEnd(0, '{"city": "Paris"}', True)]
+    assert pieces == [ToolCallArgs(0, '{"city": "Paris"}', "call_x"), ToolCallEnd(0, '{"city": "Paris"}', True, "call_x")]
 
 
 def test_forced_any_call_prefix(smol_chat):

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from mashbox.text import tool_prompt
 from mashbox.text.parsers import (
+    PIECE_KINDS,
     OutputParser,
     ParserError,
+    Piece,
     Reasoning,
     State,
     Text,
@@ -63,8 +65,8 @@ SCRIPTS = [
         [
             Reasoning("I should call a tool."),
             ToolCallStart(0, "call_0", "get_weather"),
-            ToolCallArgs(0, '{"city": "Paris"}'),
-            ToolCallEnd(0, '{"city": "Paris"}', True),
+            ToolCallArgs(0, '{"city": "Paris"}', "call_0"),
+            ToolCallEnd(0, '{"city": "Paris"}', True, "call_0"),
         ],
     ),
     (
@@ -76,32 +78,32 @@ SCRIPTS = [
             Reasoning("two calls"),
             Text("Checking both."),
             ToolCallStart(0, "call_0", "get_weather"),
-            ToolCallArgs(0, '{"city": "Paris", "days": 2}'),
-            ToolCallEnd(0, '{"city": "Paris", "days": 2}', True),
+            ToolCallArgs(0, '{"city": "Paris", "days": 2}', "call_0"),
+            ToolCallEnd(0, '{"city": "Paris", "days": 2}', True, "call_0"),
             ToolCallStart(1, "call_1", "search"),
-            ToolCallArgs(1, '{"q": "a \\"quoted\\" </tool_call> {x}", "n": [1, {"deep": null}]}'),
-            ToolCallEnd(1, '{"q": "a \\"quoted\\" </tool_call> {x}", "n": [1, {"deep": null}]}', True),
+            ToolCallArgs(1, '{"q": "a \\"quoted\\" </tool_call> {x}", "n": [1, {"deep": null}]}', "call_1"),
+            ToolCallEnd(1, '{"q": "a \\"quoted\\" </tool_call> {x}", "n": [1, {"deep": null}]}', True, "call_1"),
         ],
     ),
     (
         # Arguments before the name: sent in one piece once the name is known.
         '<tool_call>{"arguments": {"x": [1, 2]}, "name": "late"}</tool_call>',
         dict(tools=True),
-        [ToolCallStart(0, "call_0", "late"), ToolCallArgs(0, '{"x": [1, 2]}'), ToolCallEnd(0, '{"x": [1, 2]}', True)],
+        [ToolCallStart(0, "call_0", "late"), ToolCallArgs(0, '{"x": [1, 2]}', "call_0"), ToolCallEnd(0, '{"x": [1, 2]}', True, "call_0")],
     ),
     (
         # Arguments as JSON in a string, "parameters" spelling, no closing tag.
         '<tool_call>{"name": "f", "parameters": "{\\"a\\": 1}"}',
         dict(tools=True),
-        [ToolCallStart(0, "call_0", "f"), ToolCallArgs(0, '{"a": 1}'), ToolCallEnd(0, '{"a": 1}', True)],
+        [ToolCallStart(0, "call_0", "f"), ToolCallArgs(0, '{"a": 1}', "call_0"), ToolCallEnd(0, '{"a": 1}', True, "call_0")],
     ),
     (
         # No arguments, null arguments; the next call starts without a closing tag.
         '<tool_call>{"name": "a"}<tool_call>{"name": "b", "arguments": null}</tool_call>',
         dict(tools=True),
         [
-            ToolCallStart(0, "call_0", "a"), ToolCallArgs(0, "{}"), ToolCallEnd(0, "{}", True),
-            ToolCallStart(1, "call_1", "b"), ToolCallArgs(1, "{}"), ToolCallEnd(1, "{}", True),
+            ToolCallStart(0, "call_0", "a"), ToolCallArgs(0, "{}", "call_0"), ToolCallEnd(0, "{}", True, "call_0"),
+            ToolCallStart(1, "call_1", "b"), ToolCallArgs(1, "{}", "call_1"), ToolCallEnd(1, "{}", True, "call_1"),
         ],
     ),
     (
@@ -123,8 +125,8 @@ SCRIPTS = [
         dict(tools=True),
         [
             ToolCallStart(0, "call_0", "write"),
-            ToolCallArgs(0, '{"text": "half a sent'),
-            ToolCallEnd(0, '{"text": "half a sent', False),
+            ToolCallArgs(0, '{"text": "half a sent', "call_0"),
+            ToolCallEnd(0, '{"text": "half a sent', False, "call_0"),
         ],
     ),
     (
@@ -133,15 +135,15 @@ SCRIPTS = [
         dict(tools=True),
         [
             ToolCallStart(0, "call_0", "f"),
-            ToolCallArgs(0, '{"a": 1}'),
-            ToolCallEnd(0, '{"a": 1}', True),
+            ToolCallArgs(0, '{"a": 1}', "call_0"),
+            ToolCallEnd(0, '{"a": 1}', True, "call_0"),
             Text("after"),
         ],
     ),
     (
         '<tool_call>{"name": "f" "arguments": {}}</tool_call>after',
         dict(tools=True),
-        [ToolCallStart(0, "call_0", "f"), ToolCallArgs(0, "{}"), ToolCallEnd(0, "{}", True), Text("after")],
+        [ToolCallStart(0, "call_0", "f"), ToolCallArgs(0, "{}", "call_0"), ToolCallEnd(0, "{}", True, "call_0"), Text("after")],
     ),
     (
         "<think>a</think><tool_call>{}</tool_call>",
@@ -200,10 +202,10 @@ def test_held_back_text_is_not_streamed():
 def test_arguments_stream_before_the_call_ends():
     p = OutputParser(tools=True, call_id=lambda: "call_1")
     assert p.feed('<tool_call>\n{"name": "get_weather", "argu') == [ToolCallStart(0, "call_1", "get_weather")]
-    assert p.feed('ments": {"city": "Pa') == [ToolCallArgs(0, '{"city": "Pa')]
-    assert p.feed('ris"}') == [ToolCallArgs(0, 'ris"}')]
+    assert p.feed('ments": {"city": "Pa') == [ToolCallArgs(0, '{"city": "Pa', "call_1")]
+    assert p.feed('ris"}') == [ToolCallArgs(0, 'ris"}', "call_1")]
     assert p.feed("}\n</tool_") == []
-    assert p.feed("call>") == [ToolCallEnd(0, '{"city": "Paris"}', True)]
+    assert p.feed("call>") == [ToolCallEnd(0, '{"city": "Paris"}', True, "call_1")]
     assert p.state is State.TEXT and p.num_calls == 1
 
 
@@ -211,11 +213,13 @@ def test_primed_by_the_forced_call_prefix():
     p = OutputParser(tools=True, call_id=lambda: "call_f")
     assert p.feed(tool_prompt.forced_call_prefix("get_weather")) == [ToolCallStart(0, "call_f", "get_weather")]
     out = p.feed('{"city": "Oslo"}}\n</tool_call>\nDone.') + p.finish()
-    assert out == [ToolCallArgs(0, '{"city": "Oslo"}'), ToolCallEnd(0, '{"city": "Oslo"}', True), Text("Done.")]
+    assert out == [ToolCallArgs(0, '{"city": "Oslo"}', "call_f"), ToolCallEnd(0, '{"city": "Oslo"}', True, "call_f"),
+                   Text("Done.")]
 
 
 def test_call_ids_and_errors():
-    assert re.fullmatch(r"call_[A-Za-z0-9]{24}", new_call_id())
+    assert re.fullmatch(r"call_[0-9a-f]{24}", new_call_id())  # the wire's format: 24 hex characters
+    assert re.fullmatch(r"toolu_[0-9a-f]{24}", new_call_id("toolu_"))
     assert new_call_id() != new_call_id()
     p = OutputParser(tools=True)
     p.finish()
@@ -266,17 +270,18 @@ def test_generated_outputs_any_split(case, data):
     chunks = [output[a:b] for a, b in zip([0, *cuts], [*cuts, len(output)])]
     assert parse(chunks, tools=True, reasoning=True) == whole
 
-    got_calls = [(p.name, p.index) for p in whole if isinstance(p, ToolCallStart)]
-    ends = [p for p in whole if isinstance(p, ToolCallEnd)]
+    got_calls = [(p.name, p.index) for p in whole if p.kind == "tool_start"]
+    ends = [p for p in whole if p.kind == "tool_end"]
     assert [n for n, _ in got_calls] == [n for n, _ in calls]
-    assert [json.loads(e.arguments) for e in ends] == [a for _, a in calls]
+    assert [json.loads(e.text) for e in ends] == [a for _, a in calls]
     assert all(e.valid for e in ends)
     for e in ends:
-        deltas = "".join(p.delta for p in whole if isinstance(p, ToolCallArgs) and p.index == e.index)
-        assert deltas == e.arguments
-    got_reasoning = "".join(p.text for p in whole if isinstance(p, Reasoning))
+        deltas = "".join(p.text for p in whole if p.kind == "tool_args" and p.index == e.index)
+        assert deltas == e.text
+        assert {p.id for p in whole if p.kind.startswith("tool_") and p.index == e.index} == {f"call_{e.index}"}
+    got_reasoning = "".join(p.text for p in whole if p.kind == "reasoning")
     assert got_reasoning == (reasoning or "").strip()
-    got_text = "".join(p.text for p in whole if isinstance(p, Text))
+    got_text = "".join(p.text for p in whole if p.kind == "text")
     expect = text.lstrip() if reasoning is not None else text
     if calls:
         expect = expect.rstrip()
@@ -318,4 +323,15 @@ def test_pieces_are_frozen_values():
     piece = ToolCallStart(0, "call_1", "f")
     with pytest.raises(dataclasses.FrozenInstanceError):
         piece.name = "g"
-    assert piece.kind == "tool_call_start" and Text("x").kind == "text"
+    assert piece.kind == "tool_start" and Text("x").kind == "text"
+    assert [k.kind for k in (Text("a"), Reasoning("b"), ToolCallStart(0, "i", "f"), ToolCallArgs(0, "{}", "i"),
+                             ToolCallEnd(0, "{}", True, "i"))] == list(PIECE_KINDS)
+    with pytest.raises(ValueError):
+        Piece("tool_call_start")  # the old kind names are gone: one vocabulary
+
+
+def test_ids_carry_the_routes_prefix():
+    p = OutputParser(tools=True, id_prefix="toolu_")
+    out = p.feed(call("f", {"a": 1})) + p.finish()
+    ids = {piece.id for piece in out}
+    assert len(ids) == 1 and re.fullmatch(r"toolu_[0-9a-f]{24}", ids.pop())
