@@ -29,7 +29,7 @@ async def main():
     await client.start()
     try:
         await client.wait_ready(timeout=float(sys.argv[2]))
-        pid = client.info["pid"]
+        pid = client.info.pid
         maps = open(f"/proc/{pid}/maps").read()
         natives = sorted({l.split()[-1] for l in maps.splitlines() if "_native" in l})
         print("READY", natives)
