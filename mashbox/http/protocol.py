@@ -31,7 +31,6 @@ import asyncio
 import logging
 from collections import deque
 from typing import Optional
-from urllib.parse import unquote
 
 import httptools
 
@@ -226,10 +225,9 @@ class HttpProtocol(asyncio.Protocol):
             old = headers.get(k)
             headers[k] = v if old is None else old + ", " + v
         raw_path, query = self._split_url(self._m_url)
-        path = unquote(raw_path) if "%" in raw_path else raw_path
-        req = Request(
+        req = Request(  # makes the path canonical (request.py's path rule)
             parser.get_method().decode("ascii"),
-            path,
+            raw_path,
             query,
             headers,
             b"",
@@ -237,7 +235,6 @@ class HttpProtocol(asyncio.Protocol):
             self.local_addr,
             parser.get_http_version(),
             parser.should_keep_alive(),
-            raw_path,
         )
         self._m_req = req
         cl = headers.get("content-length")

@@ -55,6 +55,9 @@ def app_factory(probes: Probes):
         async def models(req):
             return json_response({"object": "list", "data": [{"id": "m1", "object": "model"}]})
 
+        async def one_model(req):
+            return json_response({"id": req.params["model"], "object": "model"})
+
         async def metrics(req):
             return text_response("mashbox:requests_running 0\n")
 
@@ -137,6 +140,7 @@ def app_factory(probes: Probes):
         r.get("/", health)
         r.get("/v1/health", health)
         r.get("/v1/models", models)
+        r.get("/v1/models/{model}", one_model)
         r.get("/metrics", metrics)
         r.get("/openapi.json", openapi)
         r.post("/v1/chat/completions", chat)
@@ -317,6 +321,32 @@ def test_401_without_key_on_protected_paths(keyed, path):
     status, h, body = request(keyed, "GET", path)
     assert status == 401 and h["www-authenticate"] == "Bearer"
     assert orjson.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", [
+    "//v1/models/m1", "/./v1/models/m1", "/v1/../v1/models/m1", "/v1/%6dodels/m1", "/%76%31/models/m1",
+    "/v1//models/m1", "/v1/./models/m1", "/v1/models/./m1", "/x/../v1/models/m1", "/../v1/models/m1",
+    "//v1/models", "/v1/%6dodels", "//metrics", "/%6detrics", "/./openapi.json", "/v1/models/",
+])
+def test_paths_the_router_answers_need_the_key_in_every_spelling(keyed, path):
+    """The key check and the router read one canonical path: every spelling that routes
+    to a protected route is refused without a key, and answered the same with one."""
+    status, _, body = request(keyed, "GET", path)
+    assert status == 401, (path, status, body)
+    status, _, body = request(keyed, "GET", path, headers={"Authorization": "Bearer sk-lone"})
+    assert status == 200, (path, status, body)
+    if "models/" in path and not path.endswith("/"):
+        assert orjson.loads(body)["id"] == "m1"
+
+
+def test_an_encoded_slash_stays_inside_its_segment(keyed):
+    auth = {"Authorization": "Bearer sk-lone"}
+    status, _, body = request(keyed, "GET", "/v1/models/org%2Fname", headers=auth)
+    assert status == 200 and orjson.loads(body)["id"] == "org/name"
+    # "/v1%2Fmodels" is one segment: no route has it, and it is refused without a key
+    # (the check is never looser than the router).
+    assert request(keyed, "GET", "/v1%2Fmodels", headers=auth)[0] == 404
+    assert request(keyed, "GET", "/v1%2Fmodels")[0] == 401
 
 
 @pytest.mark.parametrize("path", ["/health", "/"])
