@@ -13,8 +13,14 @@ Rules:
 - Responses carry Content-Length; streams use chunked transfer encoding on HTTP/1.1 and
   are close-delimited on HTTP/1.0. HEAD gets the same head as GET, without a body.
 - Writing: `pause_writing` / `resume_writing` from the transport set `writing_paused`;
-  writers await `drain()`. Writing that stays paused for slow_reader_timeout_s (a client
-  that reads nothing) aborts the connection.
+  writers await `drain()`.
+- Slow-reader cut-off: while an answer is being written, a client that for
+  slow_reader_timeout_s has bytes waiting for it and acknowledges none of them is cut
+  (the connection is reset, which cancels its stream). The kernel's counts decide
+  (sendwatch.py), not the transport pausing: the send buffer autotunes to megabytes, so
+  a client that reads nothing may never fill it. A stream with nothing to send (a long
+  prefill) is never cut. Transports without a TCP socket to ask fall back to: writing
+  that stays paused for slow_reader_timeout_s is cut.
 - Connection loss cancels the task answering the current request (a handler awaiting
   the engine, or the SSE pump, which then closes its iterator) and drops the pipeline.
 - Idle keep-alive: a connection with nothing in flight whose next request's head is not
@@ -39,6 +45,7 @@ from mashbox.config import ServerConfig
 from . import sse
 from .request import Request
 from .response import HTTPError, Response, date_cache, encode_headers, status_line
+from .sendwatch import SendProbe
 
 log = logging.getLogger("mashbox.http")
 access_log = logging.getLogger("mashbox.access")
@@ -46,6 +53,7 @@ access_log = logging.getLogger("mashbox.access")
 PIPELINE_HIGH = 16  # requests parsed but not answered before reading pauses
 PIPELINE_LOW = 4
 LINGER_S = 2.0  # how long a refused connection drops incoming bytes before closing
+SEND_CHECKS_PER_TIMEOUT = 5  # slow-reader checks per slow_reader_timeout_s (at most 1 s apart)
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CRLF = b"\r\n"
@@ -92,7 +100,11 @@ class HttpProtocol(asyncio.Protocol):
         self.refused = False  # a refusal is queued: drop further input
         self.head_written = False  # the current answer's head went out
         self._drain_waiter: Optional[asyncio.Future] = None
-        self._slow_timer: Optional[asyncio.TimerHandle] = None
+        self._slow_timer: Optional[asyncio.TimerHandle] = None  # fallback: paused too long
+        self._probe: Optional[SendProbe] = None  # the kernel's send counts, where it has them
+        self._send_timer: Optional[asyncio.TimerHandle] = None  # slow-reader check
+        self._send_acked = 0  # the client's acknowledged bytes at the last check
+        self._send_moved_at = 0.0  # loop time the client last took bytes (or had none waiting)
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._idle_since: Optional[float] = None  # loop time the connection went idle
         self._linger_timer: Optional[asyncio.TimerHandle] = None
@@ -113,6 +125,7 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = transport
         self.client_addr = transport.get_extra_info("peername")
         self.local_addr = transport.get_extra_info("sockname")
+        self._probe = SendProbe.for_transport(transport)
         if self.connections is not None:
             self.connections.add(self)
         self._arm_idle()
@@ -123,7 +136,7 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = True
         if self.connections is not None:
             self.connections.discard(self)
-        for t in (self._slow_timer, self._idle_timer, self._linger_timer):
+        for t in (self._slow_timer, self._send_timer, self._idle_timer, self._linger_timer):
             if t is not None:
                 t.cancel()
         self.pipeline.clear()
@@ -174,7 +187,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
-        if self._slow_timer is None:
+        if self._probe is None and self._slow_timer is None:
             self._slow_timer = self.loop.call_later(self.config.slow_reader_timeout_s, self._cut_slow_reader)
 
     def resume_writing(self) -> None:
@@ -361,6 +374,7 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 req.keep_alive = False
         finally:
+            self._unwatch_sending()
             if access_log.isEnabledFor(logging.INFO):
                 access_log.info("%s %s %d %.1fms%s", req.method, req.raw_path, status,
                                 (self.loop.time() - start) * 1000.0, _session_tag(req))
@@ -381,6 +395,7 @@ class HttpProtocol(asyncio.Protocol):
         length = b"" if no_body else b"content-length: %d\r\n" % len(body)
         head = self._head(req, resp.status, resp.encoded_headers() + length) + _CRLF
         self.head_written = True
+        self._watch_sending()
         if req.method == "HEAD" or no_body or not body:
             self.transport.write(head)
         elif len(body) < 16384:
@@ -404,6 +419,7 @@ class HttpProtocol(asyncio.Protocol):
             pairs.extend(resp.headers)
             head = self._head(req, resp.status, encode_headers(pairs)) + _CRLF
             self.head_written = True
+            self._watch_sending()
             self.transport.write(head)
             if req.method == "HEAD":
                 return
@@ -462,12 +478,54 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._close()
 
+    def _watch_sending(self) -> None:
+        """An answer is being written: check that the client takes it (module rules)."""
+        if self._probe is None or self._send_timer is not None or self.closed:
+            return
+        try:
+            self._send_acked = self._probe.read()[1]
+        except OSError:
+            return  # the socket is gone; connection_lost follows
+        self._send_moved_at = self.loop.time()
+        self._send_timer = self.loop.call_later(self._send_check_s, self._check_sending)
+
+    def _unwatch_sending(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    @property
+    def _send_check_s(self) -> float:
+        return min(1.0, self.config.slow_reader_timeout_s / SEND_CHECKS_PER_TIMEOUT)
+
+    def _check_sending(self) -> None:
+        self._send_timer = None
+        if self.closed:
+            return
+        try:
+            queued, acked = self._probe.read()
+        except OSError:
+            return
+        now = self.loop.time()
+        if acked != self._send_acked or queued + self.transport.get_write_buffer_size() == 0:
+            self._send_acked = acked  # it took bytes, or has none waiting
+            self._send_moved_at = now
+        elif now - self._send_moved_at >= self.config.slow_reader_timeout_s:
+            self._cut_slow_reader()
+            return
+        self._send_timer = self.loop.call_later(self._send_check_s, self._check_sending)
+
     def _cut_slow_reader(self) -> None:
         self._slow_timer = None
-        if self.writing_paused and not self.closed:
-            log.warning("client %s read nothing for %.1f s; closing its connection",
-                        self.client_addr, self.config.slow_reader_timeout_s)
-            self._abort()
+        if self.closed:
+            return
+        if self._probe is None and not self.writing_paused:
+            return
+        log.warning("client %s read nothing for %.1f s; closing its connection",
+                    self.client_addr, self.config.slow_reader_timeout_s)
+        if self._probe is not None:
+            self._probe.reset_on_close()
+        self._abort()
 
     def _close(self, lingering: bool = False) -> None:
         t = self.transport

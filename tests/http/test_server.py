@@ -109,6 +109,28 @@ def app_factory(probes: Probes):
                     probes.ev("endless closed").set()
             return StreamResponse(events())
 
+        async def megabytes(req):
+            """`mb` MiB of 16 KiB frames, one each `ms` milliseconds (a fast token
+            stream), then DONE; probes.values["mb sent"] counts the bytes produced."""
+            frame = b"data: " + b"y" * 16376 + b"\n\n"
+            n = int(float(req.query.get("mb", "2")) * 64)
+            pause = float(req.query.get("ms", "0")) / 1000
+
+            async def events():
+                done = False
+                probes.values["mb sent"] = 0
+                try:
+                    for _ in range(n):
+                        yield frame
+                        probes.values["mb sent"] += len(frame)
+                        if pause:
+                            await asyncio.sleep(pause)
+                    done = True
+                    yield DONE
+                finally:
+                    (probes.ev("mb finished") if done else probes.ev("mb cut")).set()
+            return StreamResponse(events())
+
         async def one_then_wait(req):
             """One frame, then waits on a generation that never comes (a long prefill)."""
             async def events():
@@ -148,6 +170,7 @@ def app_factory(probes: Probes):
         r.get("/v1/busy", busy)
         r.get("/v1/endless", endless)
         r.get("/v1/one-then-wait", one_then_wait)
+        r.get("/v1/megabytes", megabytes)
         r.get("/v1/quiet", quiet)
         r.post("/v1/hang", hang)
         return r
@@ -441,6 +464,45 @@ def test_slow_reader_is_cut_and_its_iterator_closed(start_server, probes):
     sock.close()
     # The generator stopped being pulled once the kernel buffers filled.
     assert probes.values["sent"] < 2000
+
+
+def test_a_client_that_reads_nothing_is_cut_whatever_the_send_buffer_autotuning_does(start_server, probes):
+    """Issue 10 item 1, on the machine's own sysctls: a client with a 1 KiB receive buffer
+    that never reads a 4 MiB stream paced at 0.8 MB/s. The kernel autotunes the server's
+    send buffer towards tcp_wmem's max (4 MiB on a stock kernel) and takes megabytes of
+    it, so writing does not pause for seconds (at a token stream's pace, for many
+    minutes); the cut must come slow_reader_timeout_s after the client stopped taking
+    bytes, long before those buffers are full."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.5)
+    s = start_server(app_factory(probes), cfg)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", s.port))
+    sock.sendall(b"GET /v1/megabytes?mb=4&ms=20 HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
+    try:
+        # The client reads nothing at all; the event is set by the generator's finally.
+        assert probes.ev("mb cut").wait(30) or probes.ev("mb finished").wait(30)
+        sent = probes.values["mb sent"]
+        assert probes.ev("mb cut").is_set(), f"never cut: the whole stream ({sent} bytes) went out"
+        # Cut after about 0.5 s of the stream (0.4 MB at this pace, fewer on a busy
+        # machine), whereas waiting for writing to pause takes the kernel's buffers.
+        assert sent < 1_000_000, f"cut only after {sent} bytes"
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):  # reset: the queued bytes are dropped
+            while sock.recv(1 << 20):
+                pass
+    finally:
+        sock.close()
+
+
+def test_a_stream_with_nothing_to_read_yet_is_not_cut(start_server, probes):
+    """Only a client that does not read is cut: a stream whose next frame takes three
+    times the cut-off (a long prefill) ends normally."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.3)
+    s = start_server(app_factory(probes), cfg)
+    with httpx.stream("GET", s.url("/v1/quiet?s=1.0"), timeout=10) as r:
+        body = b"".join(r.iter_raw())
+    assert body == b'data: {"n":0}\n\n' + DONE
 
 
 def test_reader_that_pauses_briefly_is_not_cut(start_server, probes):
