@@ -10,6 +10,12 @@ Rules:
   413, anything httptools refuses -> 400. A refused request is answered in its turn,
   then the connection closes ("lingering close": half-close, read and drop what the
   client still sends for a moment, so the answer is not lost to a reset).
+- A request with a body is checked as soon as its head is complete, before any of the
+  body is read or buffered: Host / Origin / key (403 / 401) and, on a POST route,
+  Content-Type (415), by the app's `check_head` (the router's guard); refused like a
+  413. Its body then has a progress deadline (408) and counts toward the server-wide
+  bound on buffered body bytes (503); see limits.py. A request without a body is
+  checked by the router as before and keeps its connection.
 - Responses carry Content-Length; streams use chunked transfer encoding on HTTP/1.1 and
   are close-delimited on HTTP/1.0. HEAD gets the same head as GET, without a body.
 - Writing: `pause_writing` / `resume_writing` from the transport set `writing_paused`;
@@ -44,7 +50,8 @@ from mashbox.config import ServerConfig
 
 from . import sse
 from .request import Request
-from .response import HTTPError, Response, date_cache, encode_headers, status_line
+from .response import HTTPError, Response, date_cache, encode_headers, retry_after, status_line
+from .limits import BodyBudget, Limits
 from .sendwatch import SendProbe
 
 log = logging.getLogger("mashbox.http")
@@ -78,15 +85,21 @@ def _session_tag(req: Request) -> str:
 
 class HttpProtocol(asyncio.Protocol):
     def __init__(self, app, config: ServerConfig, loop: Optional[asyncio.AbstractEventLoop] = None,
-                 connections: Optional[set] = None):
-        """app: has `async handle(Request) -> Response | StreamResponse` and
-        `family_for(path) -> str` (a router.Router). connections: a set this connection
-        adds itself to while open (the server closes them on shutdown)."""
+                 connections: Optional[set] = None, limits: Optional[Limits] = None,
+                 budget: Optional[BodyBudget] = None):
+        """app: has `async handle(Request) -> Response | StreamResponse`,
+        `check_head(Request)` (raises HTTPError) and `family_for(path) -> str` (a
+        router.Router). connections: a set this connection adds itself to while open
+        (the server closes them on shutdown). budget: the buffered-body bound shared
+        with the server's other connections (None: one of this connection's own)."""
         # global
         self.app = app
         self.config = config
         self.loop = loop or asyncio.get_event_loop()
         self.connections = connections
+        self.limits = limits if limits is not None else Limits()
+        self.budget = budget if budget is not None else BodyBudget(
+            max(self.limits.max_buffered_body_bytes, config.max_body_bytes))
         # per connection
         self.transport: Optional[asyncio.Transport] = None
         self.parser = httptools.HttpRequestParser(self)
@@ -108,6 +121,10 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._idle_since: Optional[float] = None  # loop time the connection went idle
         self._linger_timer: Optional[asyncio.TimerHandle] = None
+        self._held = 0  # body bytes this connection counts in the budget
+        self._body_timer: Optional[asyncio.TimerHandle] = None  # body progress deadline
+        self._body_mark_at: Optional[float] = None  # loop time of the body's last progress
+        self._body_mark_bytes = 0  # body bytes received at that time
         # per message being parsed
         self._m_url = b""
         self._m_headers: list[tuple[bytes, bytes]] = []
@@ -136,9 +153,12 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = True
         if self.connections is not None:
             self.connections.discard(self)
-        for t in (self._slow_timer, self._send_timer, self._idle_timer, self._linger_timer):
+        for t in (self._slow_timer, self._send_timer, self._idle_timer, self._linger_timer,
+                  self._body_timer):
             if t is not None:
                 t.cancel()
+        self._release(self._held)
+        self._m_body = []
         self.pipeline.clear()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client disconnected"))
@@ -251,9 +271,22 @@ class HttpProtocol(asyncio.Protocol):
         )
         self._m_req = req
         cl = headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > self.config.max_body_bytes:
+        length = int(cl) if cl is not None and cl.isdigit() else 0
+        if length > self.config.max_body_bytes:
             raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
                                     code="request_too_large"))
+        if length or "chunked" in headers.get("transfer-encoding", "").lower():
+            # A body follows: refuse now what its head already decides.
+            try:
+                self.app.check_head(req)
+            except HTTPError as e:
+                raise _Refuse(e) from None
+            if length > self.budget.free:
+                raise _Refuse(self._busy())
+            self._body_mark_at = self.loop.time()
+            self._body_mark_bytes = 0
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.limits.body_progress_s, self._check_body)
         if (
             headers.get("expect", "").lower() == "100-continue"
             and self.task is None
@@ -262,18 +295,27 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        self._m_body_bytes += len(body)
-        if self._m_body_bytes > self.config.max_body_bytes:
+        n = len(body)
+        if self._m_body_bytes + n > self.config.max_body_bytes:
             raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
                                     code="request_too_large"))
+        if not self.budget.take(n):
+            raise _Refuse(self._busy())
+        self._held += n
+        self._m_body_bytes += n
         self._m_body.append(body)
+        if self._m_body_bytes - self._body_mark_bytes >= self.limits.body_progress_bytes:
+            self._body_mark_at = self.loop.time()
+            self._body_mark_bytes = self._m_body_bytes
 
     def on_message_complete(self) -> None:
         req = self._m_req
         self._m_req = None
+        self._body_mark_at = None
         if self._m_body:
             req.body = self._m_body[0] if len(self._m_body) == 1 else b"".join(self._m_body)
             self._m_body = []
+        self._m_body_bytes = 0  # now counted by len(req.body) until it is answered
         self._enqueue(req)
 
     # ---- requests in, answers out -----------------------------------------------------
@@ -316,7 +358,21 @@ class HttpProtocol(asyncio.Protocol):
         req.error = error
         self._m_req = None
         self._m_in_head = False
+        self._body_mark_at = None
+        self._release(self._m_body_bytes)  # the refused body's bytes go at once
+        self._m_body = []
+        self._m_body_bytes = 0
         self._enqueue(req)
+
+    def _busy(self) -> HTTPError:
+        return HTTPError(503, "The server holds too many request bodies at the moment; retry shortly.",
+                         code="server_busy", headers=retry_after(1))
+
+    def _release(self, n: int) -> None:
+        n = min(n, self._held)
+        if n > 0:
+            self._held -= n
+            self.budget.give(n)
 
     def _split_url_safe(self, url: bytes) -> tuple[str, str]:
         try:
@@ -331,6 +387,8 @@ class HttpProtocol(asyncio.Protocol):
                 if self.reading_paused and len(self.pipeline) <= PIPELINE_LOW and not self.refused:
                     self.reading_paused = False
                     self.transport.resume_reading()
+                    if self._body_mark_at is not None:  # paused time does not count
+                        self._body_mark_at = self.loop.time()
                 await self._answer(req)
                 if not req.keep_alive:
                     self._close(lingering=req.error is not None)
@@ -375,6 +433,7 @@ class HttpProtocol(asyncio.Protocol):
                 req.keep_alive = False
         finally:
             self._unwatch_sending()
+            self._release(len(req.body))
             if access_log.isEnabledFor(logging.INFO):
                 access_log.info("%s %s %d %.1fms%s", req.method, req.raw_path, status,
                                 (self.loop.time() - start) * 1000.0, _session_tag(req))
@@ -477,6 +536,23 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_timer = self.loop.call_later(left, self._idle_check)
         else:
             self._close()
+
+    def _check_body(self) -> None:
+        """The body progress deadline (limits.py), one lazy timer per connection."""
+        self._body_timer = None
+        mark = self._body_mark_at
+        if mark is None or self.closed or self.refused or self._m_req is None:
+            return
+        now = self.loop.time()
+        if self.reading_paused:  # the server holds the body back, not the client
+            mark = self._body_mark_at = now
+        left = mark + self.limits.body_progress_s - now
+        if left > 0.001:
+            self._body_timer = self.loop.call_later(left, self._check_body)
+            return
+        self._refuse(HTTPError(
+            408, f"The request body did not arrive in time (at least {self.limits.body_progress_bytes} bytes "
+                 f"every {self.limits.body_progress_s:g} s).", code="request_timeout"))
 
     def _watch_sending(self) -> None:
         """An answer is being written: check that the client takes it (module rules)."""

@@ -151,6 +151,22 @@ class Router:
             headers=[("allow", allow_header)],
         )
 
+    def check_head(self, req: Request) -> None:
+        """What the head alone decides, for a request whose body has not been read
+        (protocol.py calls it): the guard's Host / Origin / key checks and, when the
+        request routes to a POST route, its Content-Type. Raises the HTTPError that
+        `handle` would answer; a path without a route is left to `handle` (404 / 405)."""
+        guard = self.guard
+        if guard is None:
+            return
+        guard.check(req)
+        if req.method == "POST":
+            try:
+                self.resolve(req.method, req.segments, req.path)
+            except HTTPError:
+                return
+            guard.check_content_type(req)
+
     async def handle(self, req: Request) -> Union[Response, StreamResponse]:
         family = None
         try:

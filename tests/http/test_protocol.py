@@ -262,7 +262,9 @@ def test_one_endless_header_line_is_431_before_it_ends(fake_transport, parse):
     b"GARBAGE\r\n\r\n",
     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nBad Header Line\r\n\r\n",
     b"GET /health HTTP/9.9\r\n\r\n",
-    b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    # (a well-formed head, so the head's own checks pass and the bad chunk decides)
+    b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
     # request smuggling shapes: both framings, or a bare LF
     b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",

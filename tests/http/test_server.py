@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from mashbox.config import ServerConfig
+from mashbox.http.limits import Limits
 from mashbox.http.response import HTTPError, json_response, retry_after, text_response
 from mashbox.http.router import Router
 from mashbox.http.security import Guard
@@ -329,6 +330,145 @@ def test_415_post_not_json(srv):
 def test_431_headers_too_large(srv):
     status, _, _ = request(srv, "GET", "/health", headers={"X-Big": "b" * 3000})
     assert status == 431
+
+
+def head_then_wait(srv, head: bytes, timeout: float = 10.0) -> bytes:
+    """Send only a request's head (its body never comes) and read what the server answers
+    until it closes; the recv timeout fails the test when the server waits for the body."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
+        s.sendall(head)
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except ConnectionResetError:
+                break
+            except socket.timeout:
+                raise AssertionError(f"no answer before the body; got {out!r}") from None
+            if not b:
+                return out
+            out += b
+        return out
+
+
+def post_head(srv, path: str, extra: str, host: str | None = None, length: int = 4000) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host or srv.host()}\r\nContent-Length: {length}\r\n"
+            f"{extra}\r\n").encode()
+
+
+def test_key_host_origin_and_content_type_are_refused_before_the_body(srv, keyed):
+    """Issue 10 item 4: the head decides, the body is never waited for (nor buffered)."""
+    cases = [
+        (keyed, post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"), 401),
+        (keyed, post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                          "Expect: 100-continue\r\nAuthorization: Bearer sk-wrong\r\n"), 401),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: application/json\r\n",
+                        host="evil.example"), 403),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                        "Origin: http://evil.example\r\n"), 403),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: text/plain\r\n"), 415),
+        (srv, post_head(srv, "/v1/messages", ""), 415),
+        (srv, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {srv.host()}\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode(), 415),
+    ]
+    for server, head, status in cases:
+        out = head_then_wait(server, head)
+        assert out.startswith(b"HTTP/1.1 %d " % status), (head, out[:200])
+        assert b"100 Continue" not in out and b"connection: close\r\n" in out
+    # The key checked at the head is the same check: a good key waits for its body.
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=5) as s:
+        body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+        s.sendall(post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                            "Authorization: Bearer sk-lone\r\n", length=len(body)))
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_body_that_trickles_is_408_and_closed(start_server, probes):
+    """A body must deliver body_progress_bytes per body_progress_s: a byte every 0.1 s
+    is cut with 408 after the deadline; the same request sent at once is answered."""
+    limits = Limits(body_progress_s=0.5, body_progress_bytes=1024)
+    s = start_server(app_factory(probes), BASE, limits)
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    try:
+        sock.sendall(post_head(s, "/v1/chat/completions", "Content-Type: application/json\r\n", length=1000))
+        sock.settimeout(0.1)
+        out = b""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                sock.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            try:
+                b = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            out += b
+        assert out.startswith(b"HTTP/1.1 408 "), out[:200]
+        assert orjson.loads(out.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert b"connection: close\r\n" in out
+    finally:
+        sock.close()
+
+
+def test_buffered_bodies_are_bounded_across_connections(start_server, probes):
+    """20 connections each holding 30 MB of an unfinished body took 600 MB; here 6 hold
+    3 MiB of a 4 MiB body each against an 8 MiB bound: what the server holds stays within
+    the bound, and the bodies that do not fit are refused with 503 and Retry-After."""
+    mib = 1 << 20
+    cfg = dataclasses.replace(BASE, max_body_bytes=4 * mib)
+    limits = Limits(max_buffered_body_bytes=8 * mib)
+    s = start_server(app_factory(probes), cfg, limits)
+    answers: dict[int, bytes] = {}
+    socks = []
+
+    def client(i: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=20)
+        socks.append(sock)
+        try:
+            sock.sendall(post_head(s, "/v1/chat/completions", "Content-Type: application/json\r\n",
+                                   length=4 * mib))
+            sock.sendall(b" " * (3 * mib))  # and never the last MiB
+            sock.settimeout(20)
+            answers[i] = sock.recv(65536)
+        except OSError as e:
+            answers[i] = repr(e).encode()
+
+    def held() -> tuple[int, int]:
+        """(bytes of unfinished bodies the server holds, connections holding all 3 MiB)."""
+        conns = list(s.server.connections)
+        return (sum(sum(len(b) for b in list(c._m_body)) for c in conns),
+                sum(1 for c in conns if c._m_body_bytes == 3 * mib))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until every client is answered or fully read
+        if len([a for a in answers.values() if a]) + held()[1] >= 6:
+            break
+        time.sleep(0.05)
+    total, full = held()
+    try:
+        assert total <= 8 * mib, f"the server holds {total / mib:.1f} MiB of unfinished bodies"
+        refused = [a for a in answers.values() if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) + full == 6 and refused, (full, [a[:60] for a in answers.values()])
+        assert all(b"retry-after: 1\r\n" in a for a in refused)
+        assert s.server.budget.used == total
+    finally:
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a client still waiting in recv
+            except OSError:
+                pass
+            sock.close()
+        for t in threads:
+            t.join(5)
 
 
 def test_429_carries_retry_after_to_the_sdk(srv):
