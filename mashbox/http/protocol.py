@@ -36,6 +36,11 @@ Rules:
 
 State is grouped: global (app, config, loop), per connection (transport, parser,
 pipeline, flow control, timers), per message being parsed (the `_m*` fields).
+
+Size: this file is over 450 lines because it is one object, the connection, whose parser
+callbacks, refusals, timers and writers all read the same state; what stands on its own
+is split out: channel.py (stream framing), sendwatch.py (the slow-reader check),
+limits.py (body deadline and budget), request.py (the canonical path).
 """
 from __future__ import annotations
 
@@ -49,10 +54,11 @@ import httptools
 from mashbox.config import ServerConfig
 
 from . import sse
+from .channel import StreamChannel
 from .request import Request
 from .response import HTTPError, Response, date_cache, encode_headers, retry_after, status_line
 from .limits import BodyBudget, Limits
-from .sendwatch import SendProbe
+from .sendwatch import SendProbe, SendWatch
 
 log = logging.getLogger("mashbox.http")
 access_log = logging.getLogger("mashbox.access")
@@ -60,11 +66,9 @@ access_log = logging.getLogger("mashbox.access")
 PIPELINE_HIGH = 16  # requests parsed but not answered before reading pauses
 PIPELINE_LOW = 4
 LINGER_S = 2.0  # how long a refused connection drops incoming bytes before closing
-SEND_CHECKS_PER_TIMEOUT = 5  # slow-reader checks per slow_reader_timeout_s (at most 1 s apart)
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CRLF = b"\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 
 
 class _Refuse(Exception):
@@ -114,10 +118,7 @@ class HttpProtocol(asyncio.Protocol):
         self.head_written = False  # the current answer's head went out
         self._drain_waiter: Optional[asyncio.Future] = None
         self._slow_timer: Optional[asyncio.TimerHandle] = None  # fallback: paused too long
-        self._probe: Optional[SendProbe] = None  # the kernel's send counts, where it has them
-        self._send_timer: Optional[asyncio.TimerHandle] = None  # slow-reader check
-        self._send_acked = 0  # the client's acknowledged bytes at the last check
-        self._send_moved_at = 0.0  # loop time the client last took bytes (or had none waiting)
+        self._send_watch: Optional[SendWatch] = None  # None: no TCP counts, the fallback rule
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._idle_since: Optional[float] = None  # loop time the connection went idle
         self._linger_timer: Optional[asyncio.TimerHandle] = None
@@ -142,7 +143,10 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = transport
         self.client_addr = transport.get_extra_info("peername")
         self.local_addr = transport.get_extra_info("sockname")
-        self._probe = SendProbe.for_transport(transport)
+        probe = SendProbe.for_transport(transport)
+        if probe is not None:
+            self._send_watch = SendWatch(self.loop, transport, probe, self.config.slow_reader_timeout_s,
+                                         self._cut_slow_reader)
         if self.connections is not None:
             self.connections.add(self)
         self._arm_idle()
@@ -153,10 +157,11 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = True
         if self.connections is not None:
             self.connections.discard(self)
-        for t in (self._slow_timer, self._send_timer, self._idle_timer, self._linger_timer,
-                  self._body_timer):
+        for t in (self._slow_timer, self._idle_timer, self._linger_timer, self._body_timer):
             if t is not None:
                 t.cancel()
+        if self._send_watch is not None:
+            self._send_watch.stop()
         self._release(self._held)
         self._m_body = []
         self.pipeline.clear()
@@ -207,7 +212,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
-        if self._probe is None and self._slow_timer is None:
+        if self._send_watch is None and self._slow_timer is None:
             self._slow_timer = self.loop.call_later(self.config.slow_reader_timeout_s, self._cut_slow_reader)
 
     def resume_writing(self) -> None:
@@ -432,7 +437,8 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 req.keep_alive = False
         finally:
-            self._unwatch_sending()
+            if self._send_watch is not None:
+                self._send_watch.stop()
             self._release(len(req.body))
             if access_log.isEnabledFor(logging.INFO):
                 access_log.info("%s %s %d %.1fms%s", req.method, req.raw_path, status,
@@ -454,7 +460,8 @@ class HttpProtocol(asyncio.Protocol):
         length = b"" if no_body else b"content-length: %d\r\n" % len(body)
         head = self._head(req, resp.status, resp.encoded_headers() + length) + _CRLF
         self.head_written = True
-        self._watch_sending()
+        if self._send_watch is not None:
+            self._send_watch.start()
         if req.method == "HEAD" or no_body or not body:
             self.transport.write(head)
         elif len(body) < 16384:
@@ -478,11 +485,12 @@ class HttpProtocol(asyncio.Protocol):
             pairs.extend(resp.headers)
             head = self._head(req, resp.status, encode_headers(pairs)) + _CRLF
             self.head_written = True
-            self._watch_sending()
+            if self._send_watch is not None:
+                self._send_watch.start()
             self.transport.write(head)
             if req.method == "HEAD":
                 return
-            channel = _StreamChannel(self, chunked)
+            channel = StreamChannel(self, chunked)
             st = await sse.pump(resp.events, channel, self.loop, self.config.heartbeat_s)
             if st.state == "failed":
                 # End without the last chunk: the client sees a broken stream, not a clean end.
@@ -554,53 +562,13 @@ class HttpProtocol(asyncio.Protocol):
             408, f"The request body did not arrive in time (at least {self.limits.body_progress_bytes} bytes "
                  f"every {self.limits.body_progress_s:g} s).", code="request_timeout"))
 
-    def _watch_sending(self) -> None:
-        """An answer is being written: check that the client takes it (module rules)."""
-        if self._probe is None or self._send_timer is not None or self.closed:
-            return
-        try:
-            self._send_acked = self._probe.read()[1]
-        except OSError:
-            return  # the socket is gone; connection_lost follows
-        self._send_moved_at = self.loop.time()
-        self._send_timer = self.loop.call_later(self._send_check_s, self._check_sending)
-
-    def _unwatch_sending(self) -> None:
-        if self._send_timer is not None:
-            self._send_timer.cancel()
-            self._send_timer = None
-
-    @property
-    def _send_check_s(self) -> float:
-        return min(1.0, self.config.slow_reader_timeout_s / SEND_CHECKS_PER_TIMEOUT)
-
-    def _check_sending(self) -> None:
-        self._send_timer = None
-        if self.closed:
-            return
-        try:
-            queued, acked = self._probe.read()
-        except OSError:
-            return
-        now = self.loop.time()
-        if acked != self._send_acked or queued + self.transport.get_write_buffer_size() == 0:
-            self._send_acked = acked  # it took bytes, or has none waiting
-            self._send_moved_at = now
-        elif now - self._send_moved_at >= self.config.slow_reader_timeout_s:
-            self._cut_slow_reader()
-            return
-        self._send_timer = self.loop.call_later(self._send_check_s, self._check_sending)
-
     def _cut_slow_reader(self) -> None:
+        """The send watch's verdict, or the fallback's: writing paused for the timeout."""
         self._slow_timer = None
-        if self.closed:
-            return
-        if self._probe is None and not self.writing_paused:
+        if self.closed or (self._send_watch is None and not self.writing_paused):
             return
         log.warning("client %s read nothing for %.1f s; closing its connection",
                     self.client_addr, self.config.slow_reader_timeout_s)
-        if self._probe is not None:
-            self._probe.reset_on_close()
         self._abort()
 
     def _close(self, lingering: bool = False) -> None:
@@ -625,53 +593,3 @@ class HttpProtocol(asyncio.Protocol):
             # uvloop and asyncio call connection_lost soon; do its work now so waiters
             # and the current task see the loss at once.
             self.connection_lost(None)
-
-
-class _StreamChannel:
-    """sse.Channel: queued frames leave in one send when the pump flushes (the iterator
-    has to wait, or the stream ends) or when more than FLUSH_BYTES are queued, so flow
-    control still sees the transport's buffer. Chunked framing on HTTP/1.1; raw
-    (close-delimited) on HTTP/1.0.
-    """
-
-    __slots__ = ("conn", "chunked", "parts", "size")
-
-    FLUSH_BYTES = 65536
-
-    def __init__(self, conn: HttpProtocol, chunked: bool):
-        self.conn = conn
-        self.chunked = chunked
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    @property
-    def writing_paused(self) -> bool:
-        return self.conn.output_blocked
-
-    def write_body(self, chunk: bytes) -> None:
-        if self.chunked:
-            self.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        else:
-            self.parts.append(chunk)
-        self.size += len(chunk)
-        if self.size >= self.FLUSH_BYTES:
-            self.flush()
-
-    def flush(self, tail: bytes = b"") -> None:
-        parts = self.parts
-        if tail:
-            parts.append(tail)
-        if not parts:
-            return
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.parts = []
-        self.size = 0
-        if not self.conn.closed:
-            self.conn.transport.write(data)
-
-    def finish(self) -> None:
-        """The stream ended: queued frames and the last chunk, in one send."""
-        self.flush(_LAST_CHUNK if self.chunked else b"")
-
-    async def drain(self) -> None:
-        await self.conn.drain()

@@ -69,3 +69,60 @@ class SendProbe:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _NO_LINGER)
         except OSError:
             pass
+
+
+class SendWatch:
+    """The slow-reader check of one connection: while `watching`, CHECKS_PER_TIMEOUT
+    times per timeout (at most 1 s apart) it reads the probe; bytes waiting for the
+    client and none acknowledged for `timeout_s` -> `on_cut()` (after arranging the
+    reset). Bytes taken, or nothing waiting, count as progress."""
+
+    __slots__ = ("loop", "transport", "probe", "timeout_s", "on_cut", "_timer", "_acked", "_moved_at")
+
+    CHECKS_PER_TIMEOUT = 5
+
+    def __init__(self, loop, transport, probe: SendProbe, timeout_s: float, on_cut):
+        self.loop = loop
+        self.transport = transport  # its own buffer counts as waiting bytes too
+        self.probe = probe
+        self.timeout_s = timeout_s
+        self.on_cut = on_cut
+        self._timer = None
+        self._acked = 0  # the client's acknowledged bytes at the last check
+        self._moved_at = 0.0  # loop time the client last took bytes (or had none waiting)
+
+    @property
+    def check_s(self) -> float:
+        return min(1.0, self.timeout_s / self.CHECKS_PER_TIMEOUT)
+
+    def start(self) -> None:
+        """An answer is being written (again: no effect while already watching)."""
+        if self._timer is not None:
+            return
+        try:
+            self._acked = self.probe.read()[1]
+        except OSError:
+            return  # the socket is gone; connection_lost follows
+        self._moved_at = self.loop.time()
+        self._timer = self.loop.call_later(self.check_s, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        try:
+            queued, acked = self.probe.read()
+        except OSError:
+            return
+        now = self.loop.time()
+        if acked != self._acked or queued + self.transport.get_write_buffer_size() == 0:
+            self._acked = acked
+            self._moved_at = now
+        elif now - self._moved_at >= self.timeout_s:
+            self.probe.reset_on_close()
+            self.on_cut()
+            return
+        self._timer = self.loop.call_later(self.check_s, self._check)
