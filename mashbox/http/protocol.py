@@ -415,7 +415,9 @@ class HttpProtocol(asyncio.Protocol):
             status = resp.status
             if isinstance(resp, Response):
                 self._write_response(req, resp)
-                if self.writing_paused:
+                if self.writing_paused:  # a large answer the client is slow to take
+                    if self._send_watch is not None:
+                        self._send_watch.start()
                     await self.drain()
             elif isinstance(resp, sse.StreamResponse):
                 await self._write_stream(req, resp)
@@ -460,8 +462,6 @@ class HttpProtocol(asyncio.Protocol):
         length = b"" if no_body else b"content-length: %d\r\n" % len(body)
         head = self._head(req, resp.status, resp.encoded_headers() + length) + _CRLF
         self.head_written = True
-        if self._send_watch is not None:
-            self._send_watch.start()
         if req.method == "HEAD" or no_body or not body:
             self.transport.write(head)
         elif len(body) < 16384:

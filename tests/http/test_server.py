@@ -132,6 +132,9 @@ def app_factory(probes: Probes):
                     (probes.ev("mb finished") if done else probes.ev("mb cut")).set()
             return StreamResponse(events())
 
+        async def big(req):
+            return text_response("z" * (8 << 20))
+
         async def one_then_wait(req):
             """One frame, then waits on a generation that never comes (a long prefill)."""
             async def events():
@@ -172,6 +175,7 @@ def app_factory(probes: Probes):
         r.get("/v1/endless", endless)
         r.get("/v1/one-then-wait", one_then_wait)
         r.get("/v1/megabytes", megabytes)
+        r.get("/v1/big", big)
         r.get("/v1/quiet", quiet)
         r.post("/v1/hang", hang)
         return r
@@ -629,6 +633,31 @@ def test_a_client_that_reads_nothing_is_cut_whatever_the_send_buffer_autotuning_
         assert sent < 1_000_000, f"cut only after {sent} bytes"
         sock.settimeout(10)
         with pytest.raises(ConnectionResetError):  # reset: the queued bytes are dropped
+            while sock.recv(1 << 20):
+                pass
+    finally:
+        sock.close()
+
+
+def test_a_large_answer_to_a_client_that_reads_nothing_is_cut(start_server, probes):
+    """Not only streams: an 8 MiB JSON answer waits in the transport for a client that
+    never reads; the connection is reset after the timeout, not held forever."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.5)
+    s = start_server(app_factory(probes), cfg)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", s.port))
+    try:
+        sock.sendall(b"GET /v1/big HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
+        deadline = time.monotonic() + 30
+        while not s.server.connections:  # accepted (the cut is 0.5 s away at least)
+            assert time.monotonic() < deadline, "the connection was never accepted"
+            time.sleep(0.01)
+        while s.server.connections:
+            assert time.monotonic() < deadline, "the connection was never cut"
+            time.sleep(0.05)
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):
             while sock.recv(1 << 20):
                 pass
     finally:
