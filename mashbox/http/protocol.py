@@ -55,9 +55,9 @@ from mashbox.config import ServerConfig
 
 from . import sse
 from .channel import StreamChannel
+from .limits import BodyBudget, Limits
 from .request import Request
 from .response import HTTPError, Response, date_cache, encode_headers, retry_after, status_line
-from .limits import BodyBudget, Limits
 from .sendwatch import SendProbe, SendWatch
 
 log = logging.getLogger("mashbox.http")
