@@ -10,11 +10,23 @@ Rules:
   413, anything httptools refuses -> 400. A refused request is answered in its turn,
   then the connection closes ("lingering close": half-close, read and drop what the
   client still sends for a moment, so the answer is not lost to a reset).
+- A request with a body is checked as soon as its head is complete, before any of the
+  body is read or buffered: Host / Origin / key (403 / 401) and, on a POST route,
+  Content-Type (415), by the app's `check_head` (the router's guard); refused like a
+  413. Its body then has a progress deadline (408) and counts toward the server-wide
+  bound on buffered body bytes (503); see limits.py. A request without a body is
+  checked by the router as before and keeps its connection.
 - Responses carry Content-Length; streams use chunked transfer encoding on HTTP/1.1 and
   are close-delimited on HTTP/1.0. HEAD gets the same head as GET, without a body.
 - Writing: `pause_writing` / `resume_writing` from the transport set `writing_paused`;
-  writers await `drain()`. Writing that stays paused for slow_reader_timeout_s (a client
-  that reads nothing) aborts the connection.
+  writers await `drain()`.
+- Slow-reader cut-off: while an answer is being written, a client that for
+  slow_reader_timeout_s has bytes waiting for it and acknowledges none of them is cut
+  (the connection is reset, which cancels its stream). The kernel's counts decide
+  (sendwatch.py), not the transport pausing: the send buffer autotunes to megabytes, so
+  a client that reads nothing may never fill it. A stream with nothing to send (a long
+  prefill) is never cut. Transports without a TCP socket to ask fall back to: writing
+  that stays paused for slow_reader_timeout_s is cut.
 - Connection loss cancels the task answering the current request (a handler awaiting
   the engine, or the SSE pump, which then closes its iterator) and drops the pipeline.
 - Idle keep-alive: a connection with nothing in flight whose next request's head is not
@@ -24,6 +36,11 @@ Rules:
 
 State is grouped: global (app, config, loop), per connection (transport, parser,
 pipeline, flow control, timers), per message being parsed (the `_m*` fields).
+
+Size: this file is over 450 lines because it is one object, the connection, whose parser
+callbacks, refusals, timers and writers all read the same state; what stands on its own
+is split out: channel.py (stream framing), sendwatch.py (the slow-reader check),
+limits.py (body deadline and budget), request.py (the canonical path).
 """
 from __future__ import annotations
 
@@ -31,15 +48,17 @@ import asyncio
 import logging
 from collections import deque
 from typing import Optional
-from urllib.parse import unquote
 
 import httptools
 
 from mashbox.config import ServerConfig
 
 from . import sse
+from .channel import StreamChannel
+from .limits import BodyBudget, Limits
 from .request import Request
-from .response import HTTPError, Response, date_cache, encode_headers, status_line
+from .response import HTTPError, Response, date_cache, encode_headers, retry_after, status_line
+from .sendwatch import SendProbe, SendWatch
 
 log = logging.getLogger("mashbox.http")
 access_log = logging.getLogger("mashbox.access")
@@ -50,7 +69,6 @@ LINGER_S = 2.0  # how long a refused connection drops incoming bytes before clos
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CRLF = b"\r\n"
-_LAST_CHUNK = b"0\r\n\r\n"
 
 
 class _Refuse(Exception):
@@ -71,15 +89,21 @@ def _session_tag(req: Request) -> str:
 
 class HttpProtocol(asyncio.Protocol):
     def __init__(self, app, config: ServerConfig, loop: Optional[asyncio.AbstractEventLoop] = None,
-                 connections: Optional[set] = None):
-        """app: has `async handle(Request) -> Response | StreamResponse` and
-        `family_for(path) -> str` (a router.Router). connections: a set this connection
-        adds itself to while open (the server closes them on shutdown)."""
+                 connections: Optional[set] = None, limits: Optional[Limits] = None,
+                 budget: Optional[BodyBudget] = None):
+        """app: has `async handle(Request) -> Response | StreamResponse`,
+        `check_head(Request)` (raises HTTPError) and `family_for(path) -> str` (a
+        router.Router). connections: a set this connection adds itself to while open
+        (the server closes them on shutdown). budget: the buffered-body bound shared
+        with the server's other connections (None: one of this connection's own)."""
         # global
         self.app = app
         self.config = config
         self.loop = loop or asyncio.get_event_loop()
         self.connections = connections
+        self.limits = limits if limits is not None else Limits()
+        self.budget = budget if budget is not None else BodyBudget(
+            max(self.limits.max_buffered_body_bytes, config.max_body_bytes))
         # per connection
         self.transport: Optional[asyncio.Transport] = None
         self.parser = httptools.HttpRequestParser(self)
@@ -93,10 +117,15 @@ class HttpProtocol(asyncio.Protocol):
         self.refused = False  # a refusal is queued: drop further input
         self.head_written = False  # the current answer's head went out
         self._drain_waiter: Optional[asyncio.Future] = None
-        self._slow_timer: Optional[asyncio.TimerHandle] = None
+        self._slow_timer: Optional[asyncio.TimerHandle] = None  # fallback: paused too long
+        self._send_watch: Optional[SendWatch] = None  # None: no TCP counts, the fallback rule
         self._idle_timer: Optional[asyncio.TimerHandle] = None
         self._idle_since: Optional[float] = None  # loop time the connection went idle
         self._linger_timer: Optional[asyncio.TimerHandle] = None
+        self._held = 0  # body bytes this connection counts in the budget
+        self._body_timer: Optional[asyncio.TimerHandle] = None  # body progress deadline
+        self._body_mark_at: Optional[float] = None  # loop time of the body's last progress
+        self._body_mark_bytes = 0  # body bytes received at that time
         # per message being parsed
         self._m_url = b""
         self._m_headers: list[tuple[bytes, bytes]] = []
@@ -114,6 +143,10 @@ class HttpProtocol(asyncio.Protocol):
         self.transport = transport
         self.client_addr = transport.get_extra_info("peername")
         self.local_addr = transport.get_extra_info("sockname")
+        probe = SendProbe.for_transport(transport)
+        if probe is not None:
+            self._send_watch = SendWatch(self.loop, transport, probe, self.config.slow_reader_timeout_s,
+                                         self._cut_slow_reader)
         if self.connections is not None:
             self.connections.add(self)
         self._arm_idle()
@@ -124,9 +157,13 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = True
         if self.connections is not None:
             self.connections.discard(self)
-        for t in (self._slow_timer, self._idle_timer, self._linger_timer):
+        for t in (self._slow_timer, self._idle_timer, self._linger_timer, self._body_timer):
             if t is not None:
                 t.cancel()
+        if self._send_watch is not None:
+            self._send_watch.stop()
+        self._release(self._held)
+        self._m_body = []
         self.pipeline.clear()
         if self._drain_waiter is not None and not self._drain_waiter.done():
             self._drain_waiter.set_exception(ConnectionResetError("client disconnected"))
@@ -175,7 +212,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.writing_paused = True
-        if self._slow_timer is None:
+        if self._send_watch is None and self._slow_timer is None:
             self._slow_timer = self.loop.call_later(self.config.slow_reader_timeout_s, self._cut_slow_reader)
 
     def resume_writing(self) -> None:
@@ -226,10 +263,9 @@ class HttpProtocol(asyncio.Protocol):
             old = headers.get(k)
             headers[k] = v if old is None else old + ", " + v
         raw_path, query = self._split_url(self._m_url)
-        path = unquote(raw_path) if "%" in raw_path else raw_path
-        req = Request(
+        req = Request(  # makes the path canonical (request.py's path rule)
             parser.get_method().decode("ascii"),
-            path,
+            raw_path,
             query,
             headers,
             b"",
@@ -237,13 +273,25 @@ class HttpProtocol(asyncio.Protocol):
             self.local_addr,
             parser.get_http_version(),
             parser.should_keep_alive(),
-            raw_path,
         )
         self._m_req = req
         cl = headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > self.config.max_body_bytes:
+        length = int(cl) if cl is not None and cl.isdigit() else 0
+        if length > self.config.max_body_bytes:
             raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
                                     code="request_too_large"))
+        if length or "chunked" in headers.get("transfer-encoding", "").lower():
+            # A body follows: refuse now what its head already decides.
+            try:
+                self.app.check_head(req)
+            except HTTPError as e:
+                raise _Refuse(e) from None
+            if length > self.budget.free:
+                raise _Refuse(self._busy())
+            self._body_mark_at = self.loop.time()
+            self._body_mark_bytes = 0
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.limits.body_progress_s, self._check_body)
         if (
             headers.get("expect", "").lower() == "100-continue"
             and self.task is None
@@ -252,18 +300,27 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        self._m_body_bytes += len(body)
-        if self._m_body_bytes > self.config.max_body_bytes:
+        n = len(body)
+        if self._m_body_bytes + n > self.config.max_body_bytes:
             raise _Refuse(HTTPError(413, f"The request body is larger than {self.config.max_body_bytes} bytes.",
                                     code="request_too_large"))
+        if not self.budget.take(n):
+            raise _Refuse(self._busy())
+        self._held += n
+        self._m_body_bytes += n
         self._m_body.append(body)
+        if self._m_body_bytes - self._body_mark_bytes >= self.limits.body_progress_bytes:
+            self._body_mark_at = self.loop.time()
+            self._body_mark_bytes = self._m_body_bytes
 
     def on_message_complete(self) -> None:
         req = self._m_req
         self._m_req = None
+        self._body_mark_at = None
         if self._m_body:
             req.body = self._m_body[0] if len(self._m_body) == 1 else b"".join(self._m_body)
             self._m_body = []
+        self._m_body_bytes = 0  # now counted by len(req.body) until it is answered
         self._enqueue(req)
 
     # ---- requests in, answers out -----------------------------------------------------
@@ -306,7 +363,21 @@ class HttpProtocol(asyncio.Protocol):
         req.error = error
         self._m_req = None
         self._m_in_head = False
+        self._body_mark_at = None
+        self._release(self._m_body_bytes)  # the refused body's bytes go at once
+        self._m_body = []
+        self._m_body_bytes = 0
         self._enqueue(req)
+
+    def _busy(self) -> HTTPError:
+        return HTTPError(503, "The server holds too many request bodies at the moment; retry shortly.",
+                         code="server_busy", headers=retry_after(1))
+
+    def _release(self, n: int) -> None:
+        n = min(n, self._held)
+        if n > 0:
+            self._held -= n
+            self.budget.give(n)
 
     def _split_url_safe(self, url: bytes) -> tuple[str, str]:
         try:
@@ -321,6 +392,8 @@ class HttpProtocol(asyncio.Protocol):
                 if self.reading_paused and len(self.pipeline) <= PIPELINE_LOW and not self.refused:
                     self.reading_paused = False
                     self.transport.resume_reading()
+                    if self._body_mark_at is not None:  # paused time does not count
+                        self._body_mark_at = self.loop.time()
                 await self._answer(req)
                 if not req.keep_alive:
                     self._close(lingering=req.error is not None)
@@ -342,7 +415,9 @@ class HttpProtocol(asyncio.Protocol):
             status = resp.status
             if isinstance(resp, Response):
                 self._write_response(req, resp)
-                if self.writing_paused:
+                if self.writing_paused:  # a large answer the client is slow to take
+                    if self._send_watch is not None:
+                        self._send_watch.start()
                     await self.drain()
             elif isinstance(resp, sse.StreamResponse):
                 await self._write_stream(req, resp)
@@ -364,6 +439,9 @@ class HttpProtocol(asyncio.Protocol):
             else:
                 req.keep_alive = False
         finally:
+            if self._send_watch is not None:
+                self._send_watch.stop()
+            self._release(len(req.body))
             if access_log.isEnabledFor(logging.INFO):
                 access_log.info("%s %s %d %.1fms%s", req.method, req.raw_path, status,
                                 (self.loop.time() - start) * 1000.0, _session_tag(req))
@@ -407,10 +485,12 @@ class HttpProtocol(asyncio.Protocol):
             pairs.extend(resp.headers)
             head = self._head(req, resp.status, encode_headers(pairs)) + _CRLF
             self.head_written = True
+            if self._send_watch is not None:
+                self._send_watch.start()
             self.transport.write(head)
             if req.method == "HEAD":
                 return
-            channel = _StreamChannel(self, chunked)
+            channel = StreamChannel(self, chunked)
             st = await sse.pump(resp.events, channel, self.loop, self.config.heartbeat_s)
             if st.state == "failed":
                 # End without the last chunk: the client sees a broken stream, not a clean end.
@@ -465,12 +545,31 @@ class HttpProtocol(asyncio.Protocol):
         else:
             self._close()
 
+    def _check_body(self) -> None:
+        """The body progress deadline (limits.py), one lazy timer per connection."""
+        self._body_timer = None
+        mark = self._body_mark_at
+        if mark is None or self.closed or self.refused or self._m_req is None:
+            return
+        now = self.loop.time()
+        if self.reading_paused:  # the server holds the body back, not the client
+            mark = self._body_mark_at = now
+        left = mark + self.limits.body_progress_s - now
+        if left > 0.001:
+            self._body_timer = self.loop.call_later(left, self._check_body)
+            return
+        self._refuse(HTTPError(
+            408, f"The request body did not arrive in time (at least {self.limits.body_progress_bytes} bytes "
+                 f"every {self.limits.body_progress_s:g} s).", code="request_timeout"))
+
     def _cut_slow_reader(self) -> None:
+        """The send watch's verdict, or the fallback's: writing paused for the timeout."""
         self._slow_timer = None
-        if self.writing_paused and not self.closed:
-            log.warning("client %s read nothing for %.1f s; closing its connection",
-                        self.client_addr, self.config.slow_reader_timeout_s)
-            self._abort()
+        if self.closed or (self._send_watch is None and not self.writing_paused):
+            return
+        log.warning("client %s read nothing for %.1f s; closing its connection",
+                    self.client_addr, self.config.slow_reader_timeout_s)
+        self._abort()
 
     def _close(self, lingering: bool = False) -> None:
         t = self.transport
@@ -494,53 +593,3 @@ class HttpProtocol(asyncio.Protocol):
             # uvloop and asyncio call connection_lost soon; do its work now so waiters
             # and the current task see the loss at once.
             self.connection_lost(None)
-
-
-class _StreamChannel:
-    """sse.Channel: queued frames leave in one send when the pump flushes (the iterator
-    has to wait, or the stream ends) or when more than FLUSH_BYTES are queued, so flow
-    control still sees the transport's buffer. Chunked framing on HTTP/1.1; raw
-    (close-delimited) on HTTP/1.0.
-    """
-
-    __slots__ = ("conn", "chunked", "parts", "size")
-
-    FLUSH_BYTES = 65536
-
-    def __init__(self, conn: HttpProtocol, chunked: bool):
-        self.conn = conn
-        self.chunked = chunked
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    @property
-    def writing_paused(self) -> bool:
-        return self.conn.output_blocked
-
-    def write_body(self, chunk: bytes) -> None:
-        if self.chunked:
-            self.parts.append(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        else:
-            self.parts.append(chunk)
-        self.size += len(chunk)
-        if self.size >= self.FLUSH_BYTES:
-            self.flush()
-
-    def flush(self, tail: bytes = b"") -> None:
-        parts = self.parts
-        if tail:
-            parts.append(tail)
-        if not parts:
-            return
-        data = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.parts = []
-        self.size = 0
-        if not self.conn.closed:
-            self.conn.transport.write(data)
-
-    def finish(self) -> None:
-        """The stream ended: queued frames and the last chunk, in one send."""
-        self.flush(_LAST_CHUNK if self.chunked else b"")
-
-    async def drain(self) -> None:
-        await self.conn.drain()

@@ -1,8 +1,10 @@
 """Routing by (method, path) to async handlers, with the request guard in front.
 
 Rules:
-- Paths are literal segments or `{name}` parameters (one whole segment each). Literal
-  routes are looked up in a dict; parameter routes are tried in the order added.
+- Paths are literal segments or `{name}` parameters (one whole segment each). Routes
+  match the request's canonical segments only (request.py's path rule: the same form
+  security checks), never the raw target. Literal routes are looked up in a dict by
+  their segments; parameter routes are tried in the order added.
 - A path that matches no route is 404; a path that matches with another method is 405
   with `Allow`. HEAD is answered by the GET handler when no HEAD route exists (the
   protocol drops the body).
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from typing import Awaitable, Callable, Optional, Union
-from urllib.parse import unquote
 
 from .request import Request
 from .response import FAMILIES, HTTPError, Response
@@ -59,8 +60,8 @@ class Route:
             if want.startswith("{"):
                 if not got:
                     return None
-                params[want[1:-1]] = unquote(got)
-            elif unquote(got) != want:
+                params[want[1:-1]] = got
+            elif got != want:
                 return None
         return params
 
@@ -69,7 +70,7 @@ class Router:
     def __init__(self, guard=None):
         """guard: a security.Guard (None: no Host / Origin / key / Content-Type checks)."""
         self.guard = guard
-        self._static: dict[str, dict[str, Route]] = {}  # path -> method -> route
+        self._static: dict[tuple[str, ...], dict[str, Route]] = {}  # segments -> method -> route
         self._dynamic: list[Route] = []
         self._family_prefixes: list[tuple[str, str]] = []  # (prefix, family), longest first
 
@@ -86,7 +87,7 @@ class Router:
                     raise ValueError(f"route {method} {path} added twice")
             self._dynamic.append(route)
         else:
-            by_method = self._static.setdefault(path, {})
+            by_method = self._static.setdefault(route.segments, {})
             if method in by_method:
                 raise ValueError(f"route {method} {path} added twice")
             by_method[method] = route
@@ -108,15 +109,13 @@ class Router:
                 return family
         return "openai"
 
-    def _methods_at(self, path: str, segments: Optional[list[str]]) -> dict[str, tuple[Route, dict]]:
+    def _methods_at(self, segments: tuple[str, ...]) -> dict[str, tuple[Route, dict]]:
         found: dict[str, tuple[Route, dict]] = {}
-        static = self._static.get(path)
+        static = self._static.get(segments)
         if static:
             for m, r in static.items():
                 found[m] = (r, {})
         if self._dynamic:
-            if segments is None:
-                segments = path.strip("/").split("/") if path != "/" else []
             for r in self._dynamic:
                 if r.method in found:
                     continue
@@ -125,18 +124,17 @@ class Router:
                     found[r.method] = (r, params)
         return found
 
-    def resolve(self, method: str, path: str, raw_path: Optional[str] = None) -> tuple[Route, dict]:
-        """The route and path params for (method, path); HTTPError 404 / 405 otherwise."""
-        static = self._static.get(path)
+    def resolve(self, method: str, segments: tuple[str, ...], path: str) -> tuple[Route, dict]:
+        """The route and path params for (method, canonical segments); HTTPError 404 /
+        405 otherwise (`path`, the canonical path, only names it in the message)."""
+        static = self._static.get(segments)
         if static is not None:
             route = static.get(method)
             if route is None and method == "HEAD":
                 route = static.get("GET")
             if route is not None:
                 return route, {}
-        raw = raw_path if raw_path is not None else path
-        segments = raw.strip("/").split("/") if raw != "/" else []
-        found = self._methods_at(path, segments)
+        found = self._methods_at(segments)
         hit = found.get(method) or (found.get("GET") if method == "HEAD" else None)
         if hit is not None:
             return hit
@@ -153,13 +151,29 @@ class Router:
             headers=[("allow", allow_header)],
         )
 
+    def check_head(self, req: Request) -> None:
+        """What the head alone decides, for a request whose body has not been read
+        (protocol.py calls it): the guard's Host / Origin / key checks and, when the
+        request routes to a POST route, its Content-Type. Raises the HTTPError that
+        `handle` would answer; a path without a route is left to `handle` (404 / 405)."""
+        guard = self.guard
+        if guard is None:
+            return
+        guard.check(req)
+        if req.method == "POST":
+            try:
+                self.resolve(req.method, req.segments, req.path)
+            except HTTPError:
+                return
+            guard.check_content_type(req)
+
     async def handle(self, req: Request) -> Union[Response, StreamResponse]:
         family = None
         try:
             guard = self.guard
             if guard is not None:
                 guard.check(req)
-            route, params = self.resolve(req.method, req.path, req.raw_path)
+            route, params = self.resolve(req.method, req.segments, req.path)
             family = req.family = route.family
             req.params = params
             if guard is not None and req.method == "POST":

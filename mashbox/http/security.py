@@ -17,6 +17,9 @@ Rules (server-api.md, first paragraph):
   the scheme plus the request's Host (same name and port); a page of any other origin,
   and `Origin: null`, get 403.
 - POST bodies must be `application/json` (parameters such as charset allowed): 415.
+- Every decision reads the request's canonical path (request.py's path rule), the same
+  form the router matches, so no spelling of a path routes where the key check did not
+  look. The check runs as soon as the head is complete (protocol.py), before any body.
 - Nothing here logs a key, a header or a body.
 """
 from __future__ import annotations
@@ -127,8 +130,10 @@ def _media_type(content_type: str) -> str:
     return content_type.split(";", 1)[0].strip().lower()
 
 
-# Paths that need a key when keys are configured. /v1/health is a /v1 route, so the
-# spec's rule covers it; /health and / are the open health checks.
+# Canonical paths that need a key when keys are configured. /v1/health is a /v1 route,
+# so the spec's rule covers it; /health and / are the open health checks. Every path the
+# router sends to a /v1, /metrics or /openapi.json route passes here (its first segment
+# is "v1", or it is exactly that one segment).
 def is_protected(path: str) -> bool:
     return path.startswith("/v1/") or path == "/v1" or path == "/metrics" or path == "/openapi.json"
 

@@ -13,14 +13,19 @@ from typing import Optional
 
 from mashbox.config import ServerConfig
 
+from .limits import BodyBudget, Limits
 from .protocol import HttpProtocol
 from .security import check_bind
 
 
 class Server:
-    def __init__(self, app, config: ServerConfig):
+    def __init__(self, app, config: ServerConfig, limits: Optional[Limits] = None):
         self.app = app
         self.config = config
+        self.limits = limits if limits is not None else Limits()
+        # One bound on buffered request bodies for all connections (limits.py); it
+        # always holds at least one largest body.
+        self.budget = BodyBudget(max(self.limits.max_buffered_body_bytes, config.max_body_bytes))
         self.connections: set[HttpProtocol] = set()
         self._server: Optional[asyncio.AbstractServer] = None
 
@@ -30,7 +35,7 @@ class Server:
         return self._server.sockets[0].getsockname()[1]
 
     def _factory(self) -> HttpProtocol:
-        return HttpProtocol(self.app, self.config, self._loop, self.connections)
+        return HttpProtocol(self.app, self.config, self._loop, self.connections, self.limits, self.budget)
 
     async def start(self, sock: Optional[socket.socket] = None) -> "Server":
         check_bind(self.config.host, self.config.api_keys)
@@ -59,6 +64,7 @@ class Server:
         self._server = None
 
 
-async def serve(app, config: ServerConfig, sock: Optional[socket.socket] = None) -> Server:
+async def serve(app, config: ServerConfig, sock: Optional[socket.socket] = None,
+                limits: Optional[Limits] = None) -> Server:
     """Listen on config.host:config.port (or `sock`) and answer with `app` (a Router)."""
-    return await Server(app, config).start(sock)
+    return await Server(app, config, limits).start(sock)

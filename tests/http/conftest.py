@@ -1,5 +1,6 @@
-"""Fixtures for the http layer: a fake transport for byte-level protocol tests, an exact
-response splitter, and a real server on 127.0.0.1:<free port> in a thread."""
+"""Fixtures for the http layer: a fake transport for byte-level protocol tests (run them
+on vclock.py's controlled clock), an exact response splitter, and a real server on
+127.0.0.1:<free port> in a thread."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,8 @@ import pytest
 import uvloop
 
 from mashbox.config import ServerConfig
-from mashbox.http.server import serve
+from mashbox.http.limits import Limits
+from mashbox.http.server import Server, serve
 
 
 class FakeTransport(asyncio.Transport):
@@ -26,10 +28,13 @@ class FakeTransport(asyncio.Transport):
         self.eof_written = False
         self.reading_paused = False
         self.pause_calls = 0
+        self.closed_at: Optional[float] = None  # loop time of close / abort
+        self.written_at: Optional[float] = None  # loop time of the last write
 
     def write(self, data):
         assert not self.closed, "write after close"
         self.data += data
+        self.written_at = asyncio.get_event_loop().time()
 
     def writelines(self, lines):
         for d in lines:
@@ -38,7 +43,9 @@ class FakeTransport(asyncio.Transport):
     def close(self):
         if not self.closed:
             self.closed = True
-            asyncio.get_event_loop().call_soon(self.protocol.connection_lost, None)
+            loop = asyncio.get_event_loop()
+            self.closed_at = loop.time()
+            loop.call_soon(self.protocol.connection_lost, None)
 
     def abort(self):
         self.aborted = True
@@ -140,6 +147,7 @@ class ServerHandle:
     port: int
     config: ServerConfig
     loop: asyncio.AbstractEventLoop
+    server: Optional[Server] = None  # read it from the test thread only for counts
     probes: dict = field(default_factory=dict)
 
     def host(self) -> str:
@@ -152,9 +160,11 @@ class ServerHandle:
 class ServerThread:
     """A mashbox http server in its own thread and uvloop loop, stopped by the test."""
 
-    def __init__(self, make_router: Callable[[ServerConfig], object], config: ServerConfig):
+    def __init__(self, make_router: Callable[[ServerConfig], object], config: ServerConfig,
+                 limits: Optional[Limits] = None):
         self.make_router = make_router
         self.config = config
+        self.limits = limits
         self.ready = threading.Event()
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -165,7 +175,7 @@ class ServerThread:
         self.loop = loop
         try:
             router = self.make_router(self.config)
-            self.server = loop.run_until_complete(serve(router, self.config))
+            self.server = loop.run_until_complete(serve(router, self.config, limits=self.limits))
         except BaseException as e:  # surfaced to the test by start()
             self.error = e
             self.ready.set()
@@ -180,7 +190,7 @@ class ServerThread:
         self.ready.wait(10)
         if self.error is not None:
             raise self.error
-        return ServerHandle(self.server.port, self.config, self.loop)
+        return ServerHandle(self.server.port, self.config, self.loop, self.server)
 
     def stop(self):
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -190,11 +200,12 @@ class ServerThread:
 
 @pytest.fixture
 def start_server():
-    """start_server(make_router, config) -> ServerHandle; every server stops after the test."""
+    """start_server(make_router, config, limits=None) -> ServerHandle; every server stops
+    after the test."""
     started: list[ServerThread] = []
 
-    def start(make_router, config: ServerConfig) -> ServerHandle:
-        st = ServerThread(make_router, config)
+    def start(make_router, config: ServerConfig, limits: Optional[Limits] = None) -> ServerHandle:
+        st = ServerThread(make_router, config, limits)
         started.append(st)
         return st.start()
 

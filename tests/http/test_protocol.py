@@ -1,5 +1,8 @@
 """Byte-level tests of HttpProtocol: bytes in through the parser callbacks, bytes out
-through a fake transport (no sockets), asserting on exactly what is written."""
+through a fake transport (no sockets), asserting on exactly what is written.
+
+Every test runs on vclock.py's controlled clock: a timeout is asserted at its exact
+(virtual) time, not inside a sleep window a loaded machine could stretch."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +18,7 @@ from mashbox.http.response import HTTPError, json_response, text_response
 from mashbox.http.router import Router
 from mashbox.http.security import Guard
 from mashbox.http.sse import DONE, HEARTBEAT, StreamResponse, data
+from vclock import run_virtual
 
 CFG = ServerConfig(port=8000, max_body_bytes=1000, max_url_bytes=200, max_header_bytes=600,
                    keepalive_timeout_s=5.0)
@@ -108,7 +112,7 @@ async def settle(proto: HttpProtocol, timeout: float = 2.0) -> None:
 
 
 def run(coro):
-    return asyncio.run(coro)
+    return run_virtual(coro)
 
 
 def test_pipelined_requests_answered_in_order(fake_transport, parse):
@@ -262,7 +266,9 @@ def test_one_endless_header_line_is_431_before_it_ends(fake_transport, parse):
     b"GARBAGE\r\n\r\n",
     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nBad Header Line\r\n\r\n",
     b"GET /health HTTP/9.9\r\n\r\n",
-    b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    # (a well-formed head, so the head's own checks pass and the bad chunk decides)
+    b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
     b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
     # request smuggling shapes: both framings, or a bare LF
     b"POST /v1/echo HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
@@ -357,26 +363,31 @@ def test_reading_pauses_above_the_pipeline_high_water_mark(fake_transport, parse
 
 def test_idle_keep_alive_connection_closes_after_timeout(fake_transport, parse):
     async def main():
-        cfg = dataclasses.replace(CFG, keepalive_timeout_s=0.05)
+        cfg = dataclasses.replace(CFG, keepalive_timeout_s=75.0)
         proto, t = await open_conn(make_router(cfg), fake_transport, cfg)
         proto.data_received(get("/health"))
         await settle(proto)
         assert parse(t.take())[0].status == 200
+        answered = t.written_at
+        await asyncio.sleep(answered + 75.0 - 0.01 - asyncio.get_running_loop().time())
+        assert not t.closed, "closed before the keep-alive timeout"
         await asyncio.sleep(0.02)
-        assert not t.closed
-        await asyncio.sleep(0.08)
         assert t.closed and t.take() == b""
+        assert t.closed_at == pytest.approx(answered + 75.0, abs=1e-6)
 
     run(main())
 
 
 def test_slow_headers_close_at_the_idle_timeout(fake_transport):
     async def main():
-        cfg = dataclasses.replace(CFG, keepalive_timeout_s=0.05)
+        cfg = dataclasses.replace(CFG, keepalive_timeout_s=75.0)
         proto, t = await open_conn(make_router(cfg), fake_transport, cfg)
+        opened = asyncio.get_running_loop().time()
         proto.data_received(b"GET /health HTTP/1.1\r\n")  # and never the rest
-        await asyncio.sleep(0.1)
-        assert t.closed
+        await asyncio.sleep(75.0 - 0.01)
+        assert not t.closed
+        await asyncio.sleep(0.02)
+        assert t.closed and t.closed_at == pytest.approx(opened + 75.0, abs=1e-6)
 
     run(main())
 
@@ -445,8 +456,12 @@ def test_sse_on_http10_is_close_delimited(fake_transport, parse):
 
 
 def test_sse_waits_while_writing_is_paused_and_cuts_a_slow_reader(fake_transport, parse):
+    """A transport without a TCP socket to ask (sendwatch.py): writing that stays paused
+    for slow_reader_timeout_s is cut, at exactly that time; meanwhile the generator is
+    not pulled and no heartbeat is written."""
     async def main():
-        cfg = dataclasses.replace(CFG, slow_reader_timeout_s=0.1, heartbeat_s=0.02)
+        cfg = dataclasses.replace(CFG, slow_reader_timeout_s=30.0, heartbeat_s=15.0)
+        loop = asyncio.get_running_loop()
         closed = []
         pulled = []
 
@@ -458,7 +473,7 @@ def test_sse_waits_while_writing_is_paused_and_cuts_a_slow_reader(fake_transport
                         pulled.append(i)
                         yield data({"i": i})
                         i += 1
-                        await asyncio.sleep(0)
+                        await asyncio.sleep(0.001)  # a fast token stream
                 finally:
                     closed.append(True)
             return StreamResponse(events())
@@ -467,22 +482,25 @@ def test_sse_waits_while_writing_is_paused_and_cuts_a_slow_reader(fake_transport
         r.get("/v1/endless", endless)
         proto, t = await open_conn(r, fake_transport, cfg)
         proto.data_received(get("/v1/endless"))
-        await asyncio.sleep(0.005)
-        proto.pause_writing()  # the client stopped reading
         await asyncio.sleep(0.01)
+        proto.pause_writing()  # the client stopped reading
+        await asyncio.sleep(0.01)  # a frame already on its way is written, then the pump waits
         n_paused = len(pulled)
         before = len(t.data)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(20.0)  # past a heartbeat, short of the cut
         # Paused: nothing more pulled from the generator, no heartbeat written.
         assert len(pulled) == n_paused and len(t.data) == before
+        assert not t.closed
         proto.resume_writing()  # it read a little
         await asyncio.sleep(0.01)
         assert len(pulled) > n_paused and not closed
         proto.pause_writing()  # and stops for good
-        await asyncio.sleep(0.05)
+        paused_at = loop.time()
+        await asyncio.sleep(30.0 - 0.01)
         assert not t.closed, "cut before the slow-reader timeout"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.02)
         assert t.closed and t.aborted
+        assert t.closed_at == pytest.approx(paused_at + 30.0, abs=1e-6)
         assert closed == [True]
 
     run(main())
@@ -490,12 +508,12 @@ def test_sse_waits_while_writing_is_paused_and_cuts_a_slow_reader(fake_transport
 
 def test_sse_heartbeat_after_quiet_period(fake_transport, parse):
     async def main():
-        cfg = dataclasses.replace(CFG, heartbeat_s=0.03)
+        cfg = dataclasses.replace(CFG, heartbeat_s=15.0)
 
         async def quiet(req):
             async def events():
                 yield data({"a": 1})
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(40.0)  # a long prefill: heartbeats at 15 s and 30 s
                 yield DONE
             return StreamResponse(events())
 
@@ -503,11 +521,9 @@ def test_sse_heartbeat_after_quiet_period(fake_transport, parse):
         r.get("/v1/quiet", quiet)
         proto, t = await open_conn(r, fake_transport, cfg)
         proto.data_received(get("/v1/quiet"))
-        await settle(proto)
+        await settle(proto, timeout=60.0)
         s = parse(t.take())[0]
-        beats = s.body.count(HEARTBEAT)
-        assert 2 <= beats <= 4, s.body
-        assert s.body.startswith(b'data: {"a":1}\n\n: heartbeat\n\n') and s.body.endswith(DONE)
+        assert s.body == b'data: {"a":1}\n\n' + HEARTBEAT + HEARTBEAT + DONE
 
     run(main())
 
@@ -736,5 +752,105 @@ def test_a_reset_during_a_burst_of_ready_frames_ends_the_stream(fake_transport):
                 break
         assert log == ["closed"] and proto.closed
         assert pulled[0] < 20_000, f"{pulled[0]} frames pulled after the transport closed"
+
+    run(main())
+
+
+def test_body_bytes_are_counted_until_answered_and_freed_on_every_path(fake_transport, parse):
+    """The buffered-body budget (limits.py) gets every byte back: after an answer, a
+    refusal, a disconnect mid-body, and a disconnect while the handler runs."""
+    from mashbox.http.limits import BodyBudget
+
+    async def main():
+        cfg = dataclasses.replace(CFG, max_body_bytes=100_000)
+        budget = BodyBudget(150_000)
+        router = make_router(cfg, log=[])
+        body = b'{"pad": "' + b"p" * 50_000 + b'"}'
+        # answered
+        proto, t = await open_conn(router, fake_transport, cfg)
+        proto.budget = budget
+        proto.data_received(post("/v1/echo", body))
+        await settle(proto)
+        assert parse(t.take())[0].status == 200 and budget.used == 0
+        # a disconnect mid-body
+        proto.data_received(post("/v1/echo", body)[:30_000])
+        assert budget.used > 0
+        proto.connection_lost(ConnectionResetError())
+        assert budget.used == 0
+        # two connections: the second body does not fit beside the first and is 503
+        a, ta = await open_conn(router, fake_transport, cfg)
+        b, tb = await open_conn(router, fake_transport, cfg)
+        a.budget = b.budget = budget
+        a.data_received(post("/v1/echo", b"x" * 90_000)[:-1])  # held, unfinished
+        b.data_received(post("/v1/echo", b"y" * 90_000)[:-1])
+        await settle(b)
+        r = parse(tb.take())[0]
+        assert r.status == 503 and r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert budget.used == 90_000 - 1  # b's bytes were freed at once
+        a.data_received(b"x")
+        await settle(a)
+        assert parse(ta.take())[0].status == 400 and budget.used == 0  # (not JSON: answered)
+        # a Content-Length that does not fit is refused from the head alone
+        c, tc = await open_conn(router, fake_transport, cfg)
+        c.budget = BodyBudget(1000)
+        c.data_received(post("/v1/echo", b"z" * 5000)[:200])
+        await settle(c)
+        assert parse(tc.take())[0].status == 503 and c.budget.used == 0
+
+    run(main())
+
+
+def test_body_progress_deadline(fake_transport, parse):
+    """A body must bring body_progress_bytes every body_progress_s (at its exact
+    deadline: 408 and close); a steady upload is not cut however long it takes, and
+    time while the server pauses reading does not count."""
+    from mashbox.http.limits import Limits
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cfg = dataclasses.replace(CFG, max_body_bytes=1_000_000)
+        limits = Limits(body_progress_s=30.0, body_progress_bytes=1000)
+        router = make_router(cfg)
+        # a trickle: one byte a second
+        proto, t = await open_conn(router, fake_transport, cfg)
+        proto.limits = limits
+        proto.data_received(post("/v1/echo", b"a" * 500)[:-500])
+        head_at = loop.time()
+        for _ in range(29):
+            proto.data_received(b"a")
+            await asyncio.sleep(1.0)
+        assert t.take() == b""
+        await asyncio.sleep(head_at + 30.0 + 0.01 - loop.time())
+        r = parse(t.take())[0]
+        assert r.status == 408 and r.headers["connection"] == "close"
+        assert orjson.loads(r.body)["error"]["code"] == "request_timeout"
+        assert t.eof_written and proto.budget.used == 0
+        # a steady upload, 1000 bytes every 20 s, for 200 s: answered
+        proto, t = await open_conn(router, fake_transport, cfg)
+        proto.limits = limits
+        body = b'{"p": "' + b"q" * 9990 + b'"}'
+        raw = post("/v1/echo", body)
+        head = len(raw) - len(body)
+        proto.data_received(raw[:head])
+        for i in range(head, len(raw), 1000):
+            await asyncio.sleep(20.0)
+            proto.data_received(raw[i:i + 1000])
+        await settle(proto)
+        assert parse(t.take())[0].status == 200
+        # paused reading (the pipeline is full) does not count against the body
+        proto, t = await open_conn(router, fake_transport, cfg)
+        proto.limits = limits
+        proto.data_received(get("/gate/p") + get("/fast") * (protocol_mod.PIPELINE_HIGH + 4)
+                            + raw[:head + 10])
+        assert t.reading_paused
+        await asyncio.sleep(100.0)
+        assert b"408" not in t.data
+        router.gates.setdefault("p", asyncio.Event()).set()
+        await asyncio.sleep(0.01)
+        assert not t.reading_paused
+        proto.data_received(raw[head + 10:])
+        await settle(proto)
+        rs = parse(t.take())
+        assert [r.status for r in rs][-1] == 200 and len(rs) == protocol_mod.PIPELINE_HIGH + 6
 
     run(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from mashbox.config import ServerConfig
-from mashbox.http.request import Request
+from mashbox.http.request import Request, canonical_path
 from mashbox.http.response import HTTPError
 from mashbox.http.security import Guard, check_bind, is_loopback, is_protected, load_api_keys, unnamed_tenant
 
@@ -55,6 +55,22 @@ def test_bind_rule():
 def test_protected_paths():
     assert all(is_protected(p) for p in ("/v1/models", "/v1/health", "/metrics", "/openapi.json", "/v1"))
     assert not any(is_protected(p) for p in ("/health", "/", "/v1x", "/metricsx", "/ui/app.js"))
+
+
+@pytest.mark.parametrize("target, path, segments", [
+    ("/", "/", ()),
+    ("//v1/models/m", "/v1/models/m", ("v1", "models", "m")),
+    ("/./v1/./models", "/v1/models", ("v1", "models")),
+    ("/v1/../v1/models/", "/v1/models", ("v1", "models")),
+    ("/../../v1", "/v1", ("v1",)),
+    ("/v1/%6dodels/%2e%2e/models", "/v1/models", ("v1", "models")),
+    ("/v1/models/org%2Fname", "/v1/models/org/name", ("v1", "models", "org/name")),
+    ("*", "*", ()),
+])
+def test_canonical_path(target, path, segments):
+    assert canonical_path(target) == (path, segments)
+    r = Request("GET", target)
+    assert (r.path, r.segments, r.raw_path) == (path, segments, target)
 
 
 def req(headers, path="/v1/models", local=("10.1.2.3", 8000)):

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from mashbox.config import ServerConfig
+from mashbox.http.limits import Limits
 from mashbox.http.response import HTTPError, json_response, retry_after, text_response
 from mashbox.http.router import Router
 from mashbox.http.security import Guard
@@ -54,6 +55,9 @@ def app_factory(probes: Probes):
 
         async def models(req):
             return json_response({"object": "list", "data": [{"id": "m1", "object": "model"}]})
+
+        async def one_model(req):
+            return json_response({"id": req.params["model"], "object": "model"})
 
         async def metrics(req):
             return text_response("mashbox:requests_running 0\n")
@@ -106,6 +110,31 @@ def app_factory(probes: Probes):
                     probes.ev("endless closed").set()
             return StreamResponse(events())
 
+        async def megabytes(req):
+            """`mb` MiB of 16 KiB frames, one each `ms` milliseconds (a fast token
+            stream), then DONE; probes.values["mb sent"] counts the bytes produced."""
+            frame = b"data: " + b"y" * 16376 + b"\n\n"
+            n = int(float(req.query.get("mb", "2")) * 64)
+            pause = float(req.query.get("ms", "0")) / 1000
+
+            async def events():
+                done = False
+                probes.values["mb sent"] = 0
+                try:
+                    for _ in range(n):
+                        yield frame
+                        probes.values["mb sent"] += len(frame)
+                        if pause:
+                            await asyncio.sleep(pause)
+                    done = True
+                    yield DONE
+                finally:
+                    (probes.ev("mb finished") if done else probes.ev("mb cut")).set()
+            return StreamResponse(events())
+
+        async def big(req):
+            return text_response("z" * (8 << 20))
+
         async def one_then_wait(req):
             """One frame, then waits on a generation that never comes (a long prefill)."""
             async def events():
@@ -137,6 +166,7 @@ def app_factory(probes: Probes):
         r.get("/", health)
         r.get("/v1/health", health)
         r.get("/v1/models", models)
+        r.get("/v1/models/{model}", one_model)
         r.get("/metrics", metrics)
         r.get("/openapi.json", openapi)
         r.post("/v1/chat/completions", chat)
@@ -144,6 +174,8 @@ def app_factory(probes: Probes):
         r.get("/v1/busy", busy)
         r.get("/v1/endless", endless)
         r.get("/v1/one-then-wait", one_then_wait)
+        r.get("/v1/megabytes", megabytes)
+        r.get("/v1/big", big)
         r.get("/v1/quiet", quiet)
         r.post("/v1/hang", hang)
         return r
@@ -304,6 +336,145 @@ def test_431_headers_too_large(srv):
     assert status == 431
 
 
+def head_then_wait(srv, head: bytes, timeout: float = 10.0) -> bytes:
+    """Send only a request's head (its body never comes) and read what the server answers
+    until it closes; the recv timeout fails the test when the server waits for the body."""
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
+        s.sendall(head)
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except ConnectionResetError:
+                break
+            except socket.timeout:
+                raise AssertionError(f"no answer before the body; got {out!r}") from None
+            if not b:
+                return out
+            out += b
+        return out
+
+
+def post_head(srv, path: str, extra: str, host: str | None = None, length: int = 4000) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: {host or srv.host()}\r\nContent-Length: {length}\r\n"
+            f"{extra}\r\n").encode()
+
+
+def test_key_host_origin_and_content_type_are_refused_before_the_body(srv, keyed):
+    """Issue 10 item 4: the head decides, the body is never waited for (nor buffered)."""
+    cases = [
+        (keyed, post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"), 401),
+        (keyed, post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                          "Expect: 100-continue\r\nAuthorization: Bearer sk-wrong\r\n"), 401),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: application/json\r\n",
+                        host="evil.example"), 403),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                        "Origin: http://evil.example\r\n"), 403),
+        (srv, post_head(srv, "/v1/chat/completions", "Content-Type: text/plain\r\n"), 415),
+        (srv, post_head(srv, "/v1/messages", ""), 415),
+        (srv, (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {srv.host()}\r\n"
+               "Transfer-Encoding: chunked\r\n\r\n").encode(), 415),
+    ]
+    for server, head, status in cases:
+        out = head_then_wait(server, head)
+        assert out.startswith(b"HTTP/1.1 %d " % status), (head, out[:200])
+        assert b"100 Continue" not in out and b"connection: close\r\n" in out
+    # The key checked at the head is the same check: a good key waits for its body.
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=5) as s:
+        body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+        s.sendall(post_head(keyed, "/v1/chat/completions", "Content-Type: application/json\r\n"
+                            "Authorization: Bearer sk-lone\r\n", length=len(body)))
+        s.sendall(body)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_body_that_trickles_is_408_and_closed(start_server, probes):
+    """A body must deliver body_progress_bytes per body_progress_s: a byte every 0.1 s
+    is cut with 408 after the deadline; the same request sent at once is answered."""
+    limits = Limits(body_progress_s=0.5, body_progress_bytes=1024)
+    s = start_server(app_factory(probes), BASE, limits)
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    try:
+        sock.sendall(post_head(s, "/v1/chat/completions", "Content-Type: application/json\r\n", length=1000))
+        sock.settimeout(0.1)
+        out = b""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                sock.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            try:
+                b = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                break
+            if not b:
+                break
+            out += b
+        assert out.startswith(b"HTTP/1.1 408 "), out[:200]
+        assert orjson.loads(out.partition(b"\r\n\r\n")[2])["error"]["code"] == "request_timeout"
+        assert b"connection: close\r\n" in out
+    finally:
+        sock.close()
+
+
+def test_buffered_bodies_are_bounded_across_connections(start_server, probes):
+    """20 connections each holding 30 MB of an unfinished body took 600 MB; here 6 hold
+    3 MiB of a 4 MiB body each against an 8 MiB bound: what the server holds stays within
+    the bound, and the bodies that do not fit are refused with 503 and Retry-After."""
+    mib = 1 << 20
+    cfg = dataclasses.replace(BASE, max_body_bytes=4 * mib)
+    limits = Limits(max_buffered_body_bytes=8 * mib)
+    s = start_server(app_factory(probes), cfg, limits)
+    answers: dict[int, bytes] = {}
+    socks = []
+
+    def client(i: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", s.port), timeout=20)
+        socks.append(sock)
+        try:
+            sock.sendall(post_head(s, "/v1/chat/completions", "Content-Type: application/json\r\n",
+                                   length=4 * mib))
+            sock.sendall(b" " * (3 * mib))  # and never the last MiB
+            sock.settimeout(20)
+            answers[i] = sock.recv(65536)
+        except OSError as e:
+            answers[i] = repr(e).encode()
+
+    def held() -> tuple[int, int]:
+        """(bytes of unfinished bodies the server holds, connections holding all 3 MiB)."""
+        conns = list(s.server.connections)
+        return (sum(sum(len(b) for b in list(c._m_body)) for c in conns),
+                sum(1 for c in conns if c._m_body_bytes == 3 * mib))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until every client is answered or fully read
+        if len([a for a in answers.values() if a]) + held()[1] >= 6:
+            break
+        time.sleep(0.05)
+    total, full = held()
+    try:
+        assert total <= 8 * mib, f"the server holds {total / mib:.1f} MiB of unfinished bodies"
+        refused = [a for a in answers.values() if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) + full == 6 and refused, (full, [a[:60] for a in answers.values()])
+        assert all(b"retry-after: 1\r\n" in a for a in refused)
+        assert s.server.budget.used == total
+    finally:
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a client still waiting in recv
+            except OSError:
+                pass
+            sock.close()
+        for t in threads:
+            t.join(5)
+
+
 def test_429_carries_retry_after_to_the_sdk(srv):
     client = httpx.get(srv.url("/v1/busy"), headers={"Host": srv.host()})
     assert client.status_code == 429 and client.headers["retry-after"] == "3"
@@ -317,6 +488,32 @@ def test_401_without_key_on_protected_paths(keyed, path):
     status, h, body = request(keyed, "GET", path)
     assert status == 401 and h["www-authenticate"] == "Bearer"
     assert orjson.loads(body)["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", [
+    "//v1/models/m1", "/./v1/models/m1", "/v1/../v1/models/m1", "/v1/%6dodels/m1", "/%76%31/models/m1",
+    "/v1//models/m1", "/v1/./models/m1", "/v1/models/./m1", "/x/../v1/models/m1", "/../v1/models/m1",
+    "//v1/models", "/v1/%6dodels", "//metrics", "/%6detrics", "/./openapi.json", "/v1/models/",
+])
+def test_paths_the_router_answers_need_the_key_in_every_spelling(keyed, path):
+    """The key check and the router read one canonical path: every spelling that routes
+    to a protected route is refused without a key, and answered the same with one."""
+    status, _, body = request(keyed, "GET", path)
+    assert status == 401, (path, status, body)
+    status, _, body = request(keyed, "GET", path, headers={"Authorization": "Bearer sk-lone"})
+    assert status == 200, (path, status, body)
+    if "models/" in path and not path.endswith("/"):
+        assert orjson.loads(body)["id"] == "m1"
+
+
+def test_an_encoded_slash_stays_inside_its_segment(keyed):
+    auth = {"Authorization": "Bearer sk-lone"}
+    status, _, body = request(keyed, "GET", "/v1/models/org%2Fname", headers=auth)
+    assert status == 200 and orjson.loads(body)["id"] == "org/name"
+    # "/v1%2Fmodels" is one segment: no route has it, and it is refused without a key
+    # (the check is never looser than the router).
+    assert request(keyed, "GET", "/v1%2Fmodels", headers=auth)[0] == 404
+    assert request(keyed, "GET", "/v1%2Fmodels")[0] == 401
 
 
 @pytest.mark.parametrize("path", ["/health", "/"])
@@ -411,6 +608,70 @@ def test_slow_reader_is_cut_and_its_iterator_closed(start_server, probes):
     sock.close()
     # The generator stopped being pulled once the kernel buffers filled.
     assert probes.values["sent"] < 2000
+
+
+def test_a_client_that_reads_nothing_is_cut_whatever_the_send_buffer_autotuning_does(start_server, probes):
+    """Issue 10 item 1, on the machine's own sysctls: a client with a 1 KiB receive buffer
+    that never reads a 4 MiB stream paced at 0.8 MB/s. The kernel autotunes the server's
+    send buffer towards tcp_wmem's max (4 MiB on a stock kernel) and takes megabytes of
+    it, so writing does not pause for seconds (at a token stream's pace, for many
+    minutes); the cut must come slow_reader_timeout_s after the client stopped taking
+    bytes, long before those buffers are full."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.5)
+    s = start_server(app_factory(probes), cfg)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", s.port))
+    sock.sendall(b"GET /v1/megabytes?mb=4&ms=20 HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
+    try:
+        # The client reads nothing at all; the event is set by the generator's finally.
+        assert probes.ev("mb cut").wait(30) or probes.ev("mb finished").wait(30)
+        sent = probes.values["mb sent"]
+        assert probes.ev("mb cut").is_set(), f"never cut: the whole stream ({sent} bytes) went out"
+        # Cut after about 0.5 s of the stream (0.4 MB at this pace, fewer on a busy
+        # machine), whereas waiting for writing to pause takes the kernel's buffers.
+        assert sent < 1_000_000, f"cut only after {sent} bytes"
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):  # reset: the queued bytes are dropped
+            while sock.recv(1 << 20):
+                pass
+    finally:
+        sock.close()
+
+
+def test_a_large_answer_to_a_client_that_reads_nothing_is_cut(start_server, probes):
+    """Not only streams: an 8 MiB JSON answer waits in the transport for a client that
+    never reads; the connection is reset after the timeout, not held forever."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.5)
+    s = start_server(app_factory(probes), cfg)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect(("127.0.0.1", s.port))
+    try:
+        sock.sendall(b"GET /v1/big HTTP/1.1\r\nHost: " + s.host().encode() + b"\r\n\r\n")
+        deadline = time.monotonic() + 30
+        while not s.server.connections:  # accepted (the cut is 0.5 s away at least)
+            assert time.monotonic() < deadline, "the connection was never accepted"
+            time.sleep(0.01)
+        while s.server.connections:
+            assert time.monotonic() < deadline, "the connection was never cut"
+            time.sleep(0.05)
+        sock.settimeout(10)
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(1 << 20):
+                pass
+    finally:
+        sock.close()
+
+
+def test_a_stream_with_nothing_to_read_yet_is_not_cut(start_server, probes):
+    """Only a client that does not read is cut: a stream whose next frame takes three
+    times the cut-off (a long prefill) ends normally."""
+    cfg = dataclasses.replace(BASE, slow_reader_timeout_s=0.3)
+    s = start_server(app_factory(probes), cfg)
+    with httpx.stream("GET", s.url("/v1/quiet?s=1.0"), timeout=10) as r:
+        body = b"".join(r.iter_raw())
+    assert body == b'data: {"n":0}\n\n' + DONE
 
 
 def test_reader_that_pauses_briefly_is_not_cut(start_server, probes):
