@@ -8,8 +8,15 @@ Rules:
      "tool_call_id": str, "name": str, "reasoning_content": str}
   and HF-style tools `{"type": "function", "function": {"name", "description",
   "parameters"}}`.
-- System and developer messages, wherever they stand, are joined (in order, blank line
-  between) into one system message at the front: templates expect at most one, first.
+- System text, one rule for every API (`place_system`): the system / developer messages
+  before the first other message are joined (in order, blank line between, empty ones
+  dropped) into one system message at the front, since templates expect at most one,
+  first. One that comes later stays where it stands, as user text in
+  <system-reminder> tags (added to the user message it follows, else a user message of
+  its own). Why not move it to the front: agents add such notes as a conversation
+  grows, and moving one would change the prompt's first tokens, so the prefix cache
+  could serve none of a long conversation again. Converters leave system messages
+  where the client put them; this is the only place that moves or rewrites them.
 - tool_choice: none renders no tools and parses none; auto renders them; required and
   a named function also start the assistant turn with the opening of a call
   (`<tool_call>\n` / `<tool_call>\n{"name": "NAME", "arguments": `), so even a small
@@ -73,20 +80,31 @@ class Prompt:
 # ---------------------------------------------------------------------------------------
 
 
-def join_system(messages: list) -> list:
-    """Move every system / developer message's text into one leading system message."""
-    system_parts: list[str] = []
-    rest = []
+SYSTEM_ROLES = ("system", "developer")
+
+
+def place_system(messages: list) -> list:
+    """Apply the system rule (module rules) to a conversation's messages."""
+    leading: list[str] = []
+    out: list[dict] = []
     for m in messages:
-        if m.get("role") in ("system", "developer"):
-            text = m.get("content") or ""
+        if m.get("role") not in SYSTEM_ROLES:
+            out.append(m)
+            continue
+        text = m.get("content") or ""
+        if not out:
             if text:
-                system_parts.append(text)
+                leading.append(text)
+            continue
+        note = f"<system-reminder>\n{text}\n</system-reminder>"
+        last = out[-1]
+        if last["role"] == "user":
+            out[-1] = {**last, "content": f"{last['content']}\n\n{note}" if last["content"] else note}
         else:
-            rest.append(m)
-    if system_parts:
-        return [{"role": "system", "content": "\n\n".join(system_parts)}] + rest
-    return rest
+            out.append({"role": "user", "content": note})
+    if leading:
+        return [{"role": "system", "content": "\n\n".join(leading)}] + out
+    return out
 
 
 def tool_names(tools: list) -> tuple[str, ...]:
@@ -137,7 +155,7 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     token, so the opening is that id followed by the rest as continuation text. The
     client's part (a tool name) is always plain text.
     """
-    messages = join_system(conv.messages)
+    messages = place_system(conv.messages)
     use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
     tools = conv.tools if use_tools else None
     forced = forced_opening(conv.tool_choice, tool_names(conv.tools)) if use_tools else ""

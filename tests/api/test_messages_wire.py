@@ -14,7 +14,7 @@ import asyncio
 import orjson
 import pytest
 
-from mashbox.api import common, messages
+from mashbox.api import common, message_answer, messages
 from mashbox.api.app import load_text
 from mashbox.config import EngineConfig, ServerConfig, StepEvent, Timings
 from mashbox.engine.client import NotReady, QueueFull
@@ -130,7 +130,7 @@ def test_stream_exact_sequence_with_stop_sequence(text_layer):
 
 
 def test_message_start_goes_out_before_the_engine_answers_and_pings_keep_it_alive(text_layer, monkeypatch):
-    monkeypatch.setattr(messages, "PING_S", 0.1)
+    monkeypatch.setattr(message_answer, "PING_S", 0.1)
     engine = replay_engine([0.55, {"started": True}, finish("stop", "Hi", n=1)])
     api = make_api(text_layer, engine)
 
