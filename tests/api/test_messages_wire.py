@@ -21,6 +21,7 @@ from mashbox.engine.client import NotReady, QueueFull
 from mashbox.http.request import Request
 from mashbox.http.response import HTTPError
 
+import harness
 from api_scripted_engine import ScriptedEngine
 
 
@@ -81,19 +82,7 @@ async def stream_bytes(stream) -> bytes:
     return b"".join(out)
 
 
-def sse_frames(raw: bytes) -> list[tuple[str, dict]]:
-    """Split the bytes into (event name, data) frames; every frame must be exactly
-    `event: NAME\\ndata: JSON\\n\\n` with the name repeated as the data's type."""
-    assert raw.endswith(b"\n\n")
-    frames = []
-    for block in raw[:-2].split(b"\n\n"):
-        lines = block.split(b"\n")
-        assert len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "), block
-        name = lines[0][len(b"event: "):].decode()
-        data = orjson.loads(lines[1][len(b"data: "):])
-        assert data["type"] == name
-        frames.append((name, data))
-    return frames
+sse_frames = harness.sse_events  # strict `event: NAME\ndata: JSON` frames, name == data's type
 
 
 def stream_body(**extra) -> dict:
