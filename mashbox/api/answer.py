@@ -31,6 +31,7 @@ class Answer:
     TEXT_KIND = "text"  # the block type text pieces go into
     CALL_KINDS: tuple[str, ...] = ()  # block types a tool call opens
     heartbeat_s: Optional[float] = None  # seconds of silence before keepalive(); None: never
+    start_waits_for_engine = False  # see pipeline.Writer
 
     def __init__(self, answer_id: str):
         self.id = answer_id
@@ -79,7 +80,7 @@ class Answer:
 
     # -- as a pipeline.Writer
 
-    def start_frames(self) -> list[bytes]:
+    def start_frames(self, result: Result) -> list[bytes]:
         return _frames(self.start())
 
     def step_frames(self, pieces: list[Piece]) -> list[bytes]:

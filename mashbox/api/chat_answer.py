@@ -70,6 +70,7 @@ class ChunkWriter:
     """The pipeline.Writer of a Chat answer: chunk frames streamed, the completion whole."""
 
     heartbeat_s: Optional[float] = None
+    start_waits_for_engine = False
 
     def __init__(self, cid: str, created: int, model: str, include_usage: bool = False):
         self.id = cid
@@ -131,7 +132,7 @@ class ChunkWriter:
 
     # -- as a pipeline.Writer
 
-    def start_frames(self) -> list[bytes]:
+    def start_frames(self, result: Result) -> list[bytes]:
         return [self.role()]
 
     def step_frames(self, pieces: list[Piece]) -> list[bytes]:

@@ -68,6 +68,7 @@ class CompletionWriter:
     """The pipeline.Writer of a Completions answer: one text_completion per step's text."""
 
     heartbeat_s: Optional[float] = None
+    start_waits_for_engine = False
 
     def __init__(self, cid: str, created: int, model: str, seed: int):
         self.id, self.created, self.model, self.seed = cid, created, model, seed
@@ -75,7 +76,7 @@ class CompletionWriter:
     def _object(self, text: str, finish: Optional[str], result: Optional[Result] = None) -> dict:
         return completion_json(self.id, self.created, self.model, text, finish, self.seed, result)
 
-    def start_frames(self) -> list[bytes]:
+    def start_frames(self, result: Result) -> list[bytes]:
         return []
 
     def step_frames(self, pieces: list[Piece]) -> list[bytes]:

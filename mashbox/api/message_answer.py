@@ -5,9 +5,13 @@ Rules:
 - Pieces become content blocks in the order they come: thinking (closed by a
   signature_delta `mashbox-local`), text, tool_use (the id is the piece's, minted once
   by the generation with the `toolu_` prefix; input as one input_json_delta).
-- The stream opens with message_start as soon as the prompt is counted, then ping; a
-  ping goes out every PING_S while nothing else does (a long prefill would otherwise
-  leave the stream silent, and agents drop silent streams). An error after the stream
+- The stream opens with message_start, then ping, once the engine answers (its first
+  event carries the prefix-cache hit, so message_start's usage is true), or after PING_S
+  without an answer (then it counts no cache hit). message_delta repeats message_start's
+  input_tokens / cache_read_input_tokens, so one stream never says two things; the
+  non-streamed Message uses the result's. A ping goes out every PING_S while nothing
+  else does (a long prefill would otherwise leave the stream silent, and agents drop
+  silent streams). An error after the stream
   started is an `error` event carrying the message id as request_id, and the stream
   ends there.
 """
@@ -66,6 +70,7 @@ class MessageStream(Answer):
         super().__init__(message_id)  # _open: "thinking" | "text" | "tool_use" | None
         self.model = model
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens: Optional[int] = None  # what message_start said was cached (streams)
         self.blocks: list[dict] = []
 
     @property
@@ -85,7 +90,7 @@ class MessageStream(Answer):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage_block(self.prompt_tokens, 0, 0),
+            "usage": usage_block(self.prompt_tokens, self.cached_tokens or 0, 0),
         }
         return [("message_start", {"type": "message_start", "message": message}), ping()]
 
@@ -189,8 +194,16 @@ class MessageStream(Answer):
     def keepalive(self) -> list[tuple[str, dict]]:
         return [ping()]
 
+    start_waits_for_engine = True
+
+    def start_frames(self, result: Result) -> list[bytes]:
+        self.cached_tokens = result.cached_tokens
+        return super().start_frames(result)
+
     def usage(self, result: Result) -> dict:
-        return result_usage(result)
+        if self.cached_tokens is None:  # not streamed: the result's counts
+            return result_usage(result)
+        return usage_block(result.prompt_tokens, self.cached_tokens, result.completion_tokens)
 
     def whole(self, result: Result) -> dict:
         return self.message(result.finish_reason, result.stop_sequence, self.usage(result))

@@ -12,8 +12,12 @@ Rules:
       for a conversation, plain for a text) -> answer id -> submit (429 / 503 / 529 are
       plain HTTP errors: nothing was answered yet) -> the writer;
       streamed: `frames(gen, writer)`;  whole: `gen.run(writer.collect)`, `writer.whole(result)`.
-- `frames` writes `start_frames()`, then per engine step `step_frames(pieces)` and, after
-  the last, `end_frames(result)`. `gen.output_sent` is set once a step's frames went out
+- `frames` writes `start_frames(result)`, then per engine step `step_frames(pieces)` and,
+  after the last, `end_frames(result)`. A writer whose opening must say what only the
+  engine knows (Messages' message_start carries the prefix-cache hit) sets
+  `start_waits_for_engine`: its start frames go out with the engine's first event, or
+  after heartbeat_s without one, whichever comes first; frames of pieces made before
+  (a forced tool-call opening) wait behind them. `gen.output_sent` is set once a step's frames went out
   (start frames are not model output: the one retry is still allowed after them). With
   a `heartbeat_s`, `keepalive_frames()` goes out after that long without a frame. A
   failure after the stream started becomes `fail_frames(message)` and the stream ends
@@ -59,8 +63,9 @@ class Writer(Protocol):
     """An API's answer: pieces in, that API's SSE frames (streamed) or JSON object (whole) out."""
 
     heartbeat_s: Optional[float]  # seconds of silence before keepalive_frames(); None: never
+    start_waits_for_engine: bool  # start_frames wait for the engine's first event (module rules)
 
-    def start_frames(self) -> list[bytes]: ...
+    def start_frames(self, result: Result) -> list[bytes]: ...
 
     def step_frames(self, pieces: list[Piece]) -> list[bytes]: ...
 
@@ -97,15 +102,30 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
     """A streamed answer's frames (see the module rules)."""
     last_sent = time.monotonic()
     heartbeat_s = writer.heartbeat_s
+    started = not writer.start_waits_for_engine
+    held: list[bytes] = []  # frames of pieces made before the start frames went out
     try:
-        for frame in writer.start_frames():
-            yield frame
+        if started:
+            for frame in writer.start_frames(gen.result):
+                yield frame
         async for step in gen.steps(heartbeat_s=heartbeat_s):
             out: list[bytes] = []
             if step is not None:
                 out = writer.step_frames(step.pieces)
                 if step.finished:
                     out = out + writer.end_frames(gen.result)
+            if not started:
+                if step is not None and step.event is None:
+                    held += out  # the forced opening, parsed before the engine said anything
+                    continue
+                # The engine answered (its event is in gen.result), or heartbeat_s passed.
+                started = True
+                for frame in writer.start_frames(gen.result):
+                    yield frame
+                last_sent = time.monotonic()
+                out, held = held + out, []
+                if step is None:
+                    continue  # the start frames were this heartbeat's frames
             if out:
                 gen.output_sent = True
             elif heartbeat_s is not None and time.monotonic() - last_sent >= heartbeat_s:
