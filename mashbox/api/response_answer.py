@@ -11,7 +11,8 @@ Rules:
 - Every stream event has a sequence_number rising from 1: response.created,
   response.in_progress, per item output_item.added, its part / text / arguments events,
   output_item.done, then response.completed (or response.incomplete when
-  max_output_tokens ran out). An error after the stream started is `error`, then
+  max_output_tokens ran out). An error after the stream started is `error` (carrying the
+  response id as request_id, as Chat's and Messages' error events do), then
   `response.failed`.
 """
 from __future__ import annotations
@@ -258,7 +259,7 @@ class ResponseStream(Answer):
         are left as they were (in progress): they did not finish."""
         error = {"code": code, "message": message}
         return [
-            self._event("error", code=code, message=message, param=None),
+            self._event("error", code=code, message=message, param=None, request_id=self.id),
             self._event("response.failed", response=self.response("failed", None, error=error)),
         ]
 
