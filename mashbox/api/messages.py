@@ -21,7 +21,9 @@ Rules:
   prompt.place_system decides what that means (the one rule for every API).
 - thinking: enabled / adaptive -> enable_thinking true; disabled or absent -> false
   (absent means no thinking in the Messages API).
-- The model named in the request is echoed in the answer (any model is accepted).
+- The model named in the request is echoed in the answer (any model name is accepted;
+  a `model` that is not a string is a 400). thinking.budget_tokens must be an integer
+  when given (it is not otherwise used).
 """
 from __future__ import annotations
 
@@ -272,6 +274,8 @@ def enable_thinking(thinking: Any) -> bool:
     if not isinstance(thinking, dict):
         raise bad_request("thinking", "must be an object")
     kind = thinking.get("type")
+    # Read only to refuse a wrong type: the model has no thinking budget to hold to.
+    common.get_int(thinking, "budget_tokens", None, param="thinking.budget_tokens")
     if kind in ("enabled", "adaptive"):
         return True
     if kind == "disabled":
@@ -291,6 +295,7 @@ def check_unsupported(body: dict) -> None:
 def to_conversation(body: Any) -> Conversation:
     """A Messages (or count_tokens) body -> the shared conversation form."""
     common.require_object(body)
+    common.get_str(body, "model", None)  # any model name is accepted, but a name is a string
     check_unsupported(body)
     tools = conversation_tools(body.get("tools"))
     choice = conversation_tool_choice(body.get("tool_choice"), tools)

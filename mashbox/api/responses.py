@@ -263,6 +263,8 @@ def conversation_messages(body: dict) -> list[dict]:
         return turns.messages
     if not isinstance(inp, list):
         raise bad_request("input", "is required: a string or an array of items")
+    if not inp:
+        raise bad_request("input", "must hold at least one item")
     for i, item in enumerate(inp):
         f = f"input[{i}]"
         if not isinstance(item, dict):

@@ -292,3 +292,31 @@ def test_responses_model_not_found_and_sdk_error(openai_client):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.responses.create(model="scripted", input="hi", top_logprobs=2)
     assert "top_logprobs" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Holes found by issue 10 (each answered 200 before)
+# ---------------------------------------------------------------------------------------
+
+
+def test_responses_empty_input_is_400(app):
+    r = post(app.base_url, {"input": [], "max_output_tokens": 5}, "/v1/responses")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "input" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("extra,param", [
+    ({"model": 1}, "model"),
+    ({"model": ["claude"]}, "model"),
+    ({"thinking": {"type": "enabled", "budget_tokens": "x"}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1.5}}, "thinking.budget_tokens"),
+])
+def test_messages_model_and_budget_types_are_400(app, path, extra, param):
+    body = {"model": "m", "max_tokens": 5, "messages": ASK, **extra}
+    r = post(app.base_url, body, path)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert param in err["error"]["message"]
