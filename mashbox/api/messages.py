@@ -331,8 +331,8 @@ SURFACE = pipeline.Surface("/v1/messages", ANTHROPIC, "msg_", convert, writer, t
 def routes(api: ApiContext) -> list:
     async def count_tokens(req):
         common.require_ready(api, ANTHROPIC)
-        conv = to_conversation(req.json())
-        return json_response({"input_tokens": count_chat_tokens(api, conv)})
+        count = await pipeline.off_loop(req, lambda: count_chat_tokens(api, to_conversation(req.json())))
+        return json_response({"input_tokens": count})
 
     return [
         pipeline.route(api, SURFACE),

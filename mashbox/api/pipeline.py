@@ -12,6 +12,11 @@ Rules:
       for a conversation, plain for a text) -> answer id -> submit (429 / 503 / 529 are
       plain HTTP errors: nothing was answered yet) -> the writer;
       streamed: `frames(gen, writer)`;  whole: `gen.run(writer.collect)`, `writer.whole(result)`.
+- A big body (BIG_BODY_BYTES and more) is parsed, converted, rendered and tokenized off
+  the event loop, in `off_loop` (PROMPT_THREADS threads; more big requests wait their
+  turn), so megabytes of prompt do not stall every other connection (/health included).
+  The tokenizer releases the GIL while it encodes; the template renders in Python, in
+  GIL time slices. Smaller bodies are prepared inline: a thread hop would cost more.
 - `frames` writes `start_frames(result)`, then per engine step `step_frames(pieces)` and,
   after the last, `end_frames(result)`. A writer whose opening must say what only the
   engine knows (Messages' message_start carries the prefix-cache hit) sets
@@ -26,10 +31,12 @@ Rules:
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Protocol
+from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar
 
 from mashbox.api import common
 from mashbox.api.common import ApiContext, SamplingFields
@@ -39,6 +46,8 @@ from mashbox.http.response import json_response
 from mashbox.http.sse import StreamResponse
 
 log = logging.getLogger("mashbox.api")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,21 @@ class Surface:
     convert: Callable[[ApiContext, Any], ApiRequest]
     writer: Callable[[ApiContext, ApiRequest, Prompt, str], Writer]
     tool_id_prefix: str = "call_"
+
+
+BIG_BODY_BYTES = 1 << 20
+PROMPT_THREADS = 2  # big prompts prepared at once; the server process has few cores to spare
+_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+async def off_loop(req: Any, job: Callable[[], T]) -> T:
+    """`job()` in the prompt threads when the request's body is big, else inline."""
+    global _pool
+    if len(req.body) < BIG_BODY_BYTES:
+        return job()
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="mashbox-prompt")
+    return await asyncio.get_running_loop().run_in_executor(_pool, job)
 
 
 def build_prompt(api: ApiContext, request: ApiRequest) -> Prompt:
@@ -149,10 +173,14 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
 def handler(api: ApiContext, surface: Surface):
     """The route handler of a surface (see the module rules)."""
 
-    async def handle(req):
+    def prepare(req) -> tuple[ApiRequest, Prompt]:
         body = common.request_body(api, req, surface.family)
         request = surface.convert(api, body)
-        prompt = build_prompt(api, request)
+        return request, build_prompt(api, request)
+
+    async def handle(req):
+        common.require_ready(api, surface.family)
+        request, prompt = await off_loop(req, lambda: prepare(req))
         answer_id = common.new_id(surface.id_prefix)
         gen = Generation(api, prompt, request.fields, surface.family, tenant=req.tenant, request_id=answer_id,
                          tool_id_prefix=surface.tool_id_prefix)

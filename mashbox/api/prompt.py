@@ -26,6 +26,13 @@ Rules:
 - max_tokens: default = what is left of the context after the prompt; a larger request
   is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
   token is a 400 that says by how many tokens it is too long.
+- A prompt far too long is refused before it is rendered or tokenized (that costs
+  seconds for megabytes of text): no token covers more characters than the longest
+  entry of the vocabulary, so text of C characters is at least
+  C / (SHRINK * longest) tokens (SHRINK allows for a normalizer that composes
+  characters); when that bound alone leaves no room in the context, the 400 says
+  "at least" that many tokens. Only message / prompt text is counted (a template may
+  drop earlier thoughts, never the messages' content).
 """
 from __future__ import annotations
 
@@ -171,6 +178,35 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     return ids, in_reasoning, forced, use_tools
 
 
+SHRINK = 4  # characters a normalizer may fold into one (NFC / NFKC compose at most ~3)
+_LONGEST_TOKEN: dict[int, int] = {}  # id(tokenizer) -> characters of its longest vocabulary entry
+
+
+def longest_token_chars(tokenizer) -> int:
+    key = id(tokenizer)
+    if key not in _LONGEST_TOKEN:
+        vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+        _LONGEST_TOKEN[key] = max((len(t) for t in vocab), default=1) or 1
+    return _LONGEST_TOKEN[key]
+
+
+def conversation_chars(conv: Conversation) -> int:
+    """Characters of the conversation's message content (what every template renders)."""
+    return sum(len(m["content"]) for m in conv.messages if isinstance(m.get("content"), str))
+
+
+def refuse_far_too_long(api: ApiContext, chars: int, param: str) -> None:
+    """The cheap early 400 (module rules): no rendering, no tokenizing."""
+    ctx = api.ctx
+    at_least = chars // (SHRINK * longest_token_chars(api.tokenizer))
+    if at_least >= ctx:
+        raise bad_request(
+            f"The prompt is at least {at_least} tokens, more than the context of {ctx} tokens "
+            f"(which must also hold at least one new token); shorten it.",
+            param,
+        )
+
+
 def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], param: str = "messages") -> int:
     ctx = api.ctx
     room = ctx - n_prompt
@@ -188,6 +224,7 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
 
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
     """Render, tokenize, force the tool choice, fit max_tokens."""
+    refuse_far_too_long(api, conversation_chars(conv), "messages")
     ids, in_reasoning, forced, use_tools = _render(api, conv)
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
@@ -209,6 +246,7 @@ def count_chat_tokens(api: ApiContext, conv: Conversation) -> int:
 def text_prompt(api: ApiContext, text: str, max_tokens: Optional[int], param: str = "prompt") -> Prompt:
     """A plain prompt (Completions): no template; BOS added when the model wants it."""
     tok = api.tokenizer
+    refuse_far_too_long(api, len(text), param)
     ids = list(tok.encode(text))
     bos = getattr(tok, "bos_id", None)
     if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
