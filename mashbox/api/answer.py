@@ -27,7 +27,6 @@ Event = tuple[str, dict]  # (SSE event name, payload)
 class Answer:
     """Base of a family's answer builder; subclasses name their text and call block types."""
 
-    NAME = ""  # the route, for the log
     TEXT_KIND = "text"  # the block type text pieces go into
     CALL_KINDS: tuple[str, ...] = ()  # block types a tool call opens
     heartbeat_s: Optional[float] = None  # seconds of silence before keepalive(); None: never

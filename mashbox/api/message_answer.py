@@ -62,7 +62,6 @@ class MessageStream(Answer):
     input as JSON, so only text that is known to parse may be sent.
     """
 
-    NAME = "messages"
     TEXT_KIND = "text"
     CALL_KINDS = ("tool_use",)
 

@@ -162,12 +162,19 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
             if step is not None and step.finished:
                 return
     except GenerationError as exc:
-        for frame in writer.fail_frames(f"The request failed on the device: {exc}"):
+        for frame in _failed(writer, started, gen, f"The request failed on the device: {exc}"):
             yield frame
     except Exception as exc:  # a bug here must still end the stream the way the API says
         log.exception("stream %s failed", gen.id)
-        for frame in writer.fail_frames(f"The server failed while streaming: {exc}"):
+        for frame in _failed(writer, started, gen, f"The server failed while streaming: {exc}"):
             yield frame
+
+
+def _failed(writer: Writer, started: bool, gen: Generation, message: str) -> list[bytes]:
+    """The failure frames, behind the start frames when these had not gone out yet (a
+    stream always opens the same way)."""
+    opening = [] if started else writer.start_frames(gen.result)
+    return opening + writer.fail_frames(message)
 
 
 def handler(api: ApiContext, surface: Surface):

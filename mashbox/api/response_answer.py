@@ -75,7 +75,6 @@ class ResponseStream(Answer):
     so it goes out as one delta then.
     """
 
-    NAME = "responses"
     TEXT_KIND = "message"
     CALL_KINDS = ("function_call", "custom_tool_call")
 

@@ -278,3 +278,14 @@ def test_usage_agrees_when_message_start_could_not_wait(text_layer, monkeypatch)
     delta = frames[-2][1]["usage"]
     assert (start["input_tokens"], start["cache_read_input_tokens"]) == (n_prompt, 0)
     assert (delta["input_tokens"], delta["cache_read_input_tokens"]) == (n_prompt, 0)
+
+
+def test_a_stream_that_fails_before_the_engine_answered_still_opens_with_message_start(text_layer):
+    """The worker fails the request and its retry before any event: the stream is
+    message_start, ping, error, as any other failed stream begins."""
+    engine = replay_engine([{"finish_reason": "error", "error": "worker lost"}])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    assert [n for n, _ in frames] == ["message_start", "ping", "error"]
+    assert frames[-1][1]["request_id"] == frames[0][1]["message"]["id"]
+    assert len(engine.submitted) == 2  # the one retry
