@@ -1,9 +1,7 @@
 """GET /openapi.json: the repository's openapi.json (OpenAPI 3.1), with the running model.
 
 The document is read once at start-up; the served copy names the running model in
-`info.x-mashbox-model` and as the example of every request's `model` field, and its
-`servers` URL is the address the client asked for (its Host header, which the guard
-has checked), not the file's placeholder port.
+`info.x-mashbox-model` and as the example of every request's `model` field.
 """
 from __future__ import annotations
 
@@ -47,12 +45,9 @@ def routes(api: ApiContext) -> list:
         if doc is None:
             raise HTTPError(404, f"openapi.json is not installed with this server ({OPENAPI_PATH}).")
         model_id = api.model_id
-        served = cache.get(model_id)
-        if served is None:
-            served = cache[model_id] = with_model(doc, model_id)
-        host = req.headers.get("host")
-        if host:
-            served = {**served, "servers": [{"url": f"http://{host}"}]}
-        return Response(200, orjson.dumps(served), content_type="application/json")
+        body = cache.get(model_id)
+        if body is None:
+            body = cache[model_id] = orjson.dumps(with_model(doc, model_id))
+        return Response(200, body, content_type="application/json")
 
     return [("GET", "/openapi.json", openapi, OPENAI)]

@@ -121,18 +121,6 @@ def test_openapi_file_refs_resolve():
     assert refs and all(r in schemas for r in refs)
 
 
-def test_openapi_servers_url_is_the_address_asked(default_model_path):
-    """The served document's `servers` names the host:port the client reached (the file's
-    own says 127.0.0.1:8000 whatever --port was)."""
-    engine = ScriptedEngine(lambda req: text_events(req, ["x"]))
-    with InProcessServer(engine, default_model_path) as app:
-        doc = httpx.get(app.base_url + "/openapi.json").json()
-        assert doc["servers"] == [{"url": app.base_url}]
-        assert not app.base_url.endswith(":8000")
-        other = httpx.get(app.base_url + "/openapi.json", headers={"host": "localhost:" + app.base_url.rsplit(":", 1)[1]})
-        assert other.json()["servers"] == [{"url": "http://localhost:" + app.base_url.rsplit(":", 1)[1]}]
-
-
 def test_loading_answers(default_model_path):
     engine = ScriptedEngine(lambda req: text_events(req, ["x"]), ready=False)
     with InProcessServer(engine, default_model_path) as app:
