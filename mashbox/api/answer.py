@@ -1,5 +1,5 @@
 """An answer built piece by piece as a route family's events: the part that
-messages.MessageStream and responses.ResponseStream share, and the loop that streams one.
+message_answer.MessageStream and response_answer.ResponseStream share.
 
 Rules:
 - A subclass of `Answer` turns generation.Pieces into its family's content (Messages
@@ -9,23 +9,17 @@ Rules:
 - At most one block is open (`_open`, the block's type). Whitespace alone (the newline
   between thoughts and a call) opens no text block: it is held, and goes out in front
   of the next text, or is dropped when another block opens first.
-- `frames` drives a streamed answer: `start()`, the events of every step, `end()` after
-  the last step, as SSE frames; `gen.output_sent` is set once model output was sent
-  (the one retry is only allowed before that). With a `heartbeat_s`, `keepalive()`
-  goes out when nothing else did for that long. A failure after the stream started
-  becomes the `fail()` events, and the stream ends there.
-- A non-streamed answer is driven by `Generation.run(answer.feed)`.
+- An `Answer` is a pipeline.Writer: its events become `event: NAME` SSE frames
+  (`start_frames` = start(), `step_frames` = each piece's feed(), `end_frames` =
+  end(result, usage(result)), ...); non-streamed, `collect` feeds each piece and
+  `whole(result)` is the family's final object.
 """
 from __future__ import annotations
 
-import logging
-import time
-from typing import AsyncIterator, Callable, Optional
+from typing import Optional
 
-from mashbox.api.generation import Generation, GenerationError, Result
+from mashbox.api.generation import Piece, Result
 from mashbox.http import sse
-
-log = logging.getLogger(__name__)
 
 Event = tuple[str, dict]  # (SSE event name, payload)
 
@@ -33,10 +27,10 @@ Event = tuple[str, dict]  # (SSE event name, payload)
 class Answer:
     """Base of a family's answer builder; subclasses name their text and call block types."""
 
-    NAME = ""  # the route, for the log
     TEXT_KIND = "text"  # the block type text pieces go into
     CALL_KINDS: tuple[str, ...] = ()  # block types a tool call opens
     heartbeat_s: Optional[float] = None  # seconds of silence before keepalive(); None: never
+    start_waits_for_engine = False  # see pipeline.Writer
 
     def __init__(self, answer_id: str):
         self.id = answer_id
@@ -74,6 +68,34 @@ class Answer:
 
     def keepalive(self) -> list[Event]:
         return []
+
+    def usage(self, result: Result) -> dict:
+        """The family's usage object of a result."""
+        raise NotImplementedError
+
+    def whole(self, result: Result) -> dict:
+        """The non-streamed answer, after every piece was collected."""
+        raise NotImplementedError
+
+    # -- as a pipeline.Writer
+
+    def start_frames(self, result: Result) -> list[bytes]:
+        return _frames(self.start())
+
+    def step_frames(self, pieces: list[Piece]) -> list[bytes]:
+        return [sse.event(name, payload) for piece in pieces for name, payload in self.feed(piece)]
+
+    def end_frames(self, result: Result) -> list[bytes]:
+        return _frames(self.end(result, self.usage(result)))
+
+    def fail_frames(self, message: str) -> list[bytes]:
+        return _frames(self.fail(message))
+
+    def keepalive_frames(self) -> list[bytes]:
+        return _frames(self.keepalive())
+
+    def collect(self, piece: Piece) -> None:
+        self.feed(piece)
 
     # -- shared
 
@@ -114,40 +136,5 @@ class Answer:
         return text
 
 
-def _frame(pair: Event) -> bytes:
-    return sse.event(pair[0], pair[1])
-
-
-async def frames(gen: Generation, answer: Answer, usage: Callable[[Result], dict]) -> AsyncIterator[bytes]:
-    """A streamed answer's SSE frames; `usage` gives the family's usage object of a result."""
-    last_sent = time.monotonic()
-    heartbeat_s = answer.heartbeat_s
-    try:
-        for pair in answer.start():
-            yield _frame(pair)
-        async for step in gen.steps(heartbeat_s=heartbeat_s):
-            events: list[Event] = []
-            if step is not None:
-                for piece in step.pieces:
-                    events.extend(answer.feed(piece))
-                if step.finished:
-                    events.extend(answer.end(gen.result, usage(gen.result)))
-            if events:
-                gen.output_sent = True
-            elif heartbeat_s is not None and time.monotonic() - last_sent >= heartbeat_s:
-                # Nothing to say (prefill, or a long tool call held back): keep the stream alive.
-                events = answer.keepalive()
-            for pair in events:
-                yield _frame(pair)
-            if events:
-                last_sent = time.monotonic()
-            if step is not None and step.finished:
-                return
-    except GenerationError as exc:
-        for pair in answer.fail(f"The request failed on the device: {exc}"):
-            yield _frame(pair)
-    except Exception as exc:  # a bug here must still end the stream the way the API says
-        log.exception("%s stream %s failed", answer.NAME, answer.id)
-        for pair in answer.fail(f"The server failed while streaming: {exc}"):
-            yield _frame(pair)
-
+def _frames(events: list[Event]) -> list[bytes]:
+    return [sse.event(name, payload) for name, payload in events]

@@ -10,7 +10,8 @@ How routes are registered (the convention every api module follows):
   Response | StreamResponse` (a closure over `api`), `family` is "openai" or
   "anthropic" (the error shape the router answers in). `ROUTE_MODULES` lists the
   modules in registration order; app.py imports each and adds what `routes(api)`
-  returns. A module listed but not written yet is skipped with a warning.
+  returns. The generating routes build theirs with pipeline.route (one handler for all
+  four surfaces).
 
 Readiness: the engine client starts the worker in the background; until its ready
 frame, health answers 503 `loading` and every generating route 503 (OpenAI) / 529
@@ -69,13 +70,7 @@ def build_router(api: ApiContext, guard: Any = None):
 
     router = Router(guard)
     for name in ROUTE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            log.warning("api module %s is not there; its routes are not served", name)
-            continue
+        module = importlib.import_module(name)
         for method, path, handler, family in module.routes(api):
             router.add(method, path, handler, family)
     return router

@@ -1,42 +1,32 @@
-"""POST /v1/chat/completions: OpenAI Chat Completions with tools, thinking and streaming.
+"""POST /v1/chat/completions: the OpenAI Chat Completions surface (tools, thinking,
+streaming). The request converter is here; the answer writer is chat_answer.ChunkWriter.
 
 Rules:
-- Request -> `Conversation`: system / developer messages join the system prompt
-  (prompt.join_system); content is a string, null or text parts (`text`, and `refusal`
-  on assistant turns); image_url / input_audio / file parts are 400 naming the part's
-  type (text-only model). Assistant `tool_calls` carry arguments as JSON text; they are
-  parsed into objects for the template (text that is not JSON stays a string). A tool
-  message gets the called function's name from the assistant turn that made the call.
+- Request -> `Conversation`: system / developer messages stay where they stand
+  (prompt.place_system: the one rule for every API); content is a string, null or text
+  parts (`text`, and `refusal` on assistant turns); image_url / input_audio / file
+  parts are 400 naming the part's type (text-only model). Assistant `tool_calls` carry
+  arguments as JSON text; they are parsed into objects for the template (text that is
+  not JSON stays a string). A tool message gets the called function's name from the
+  assistant turn that made the call.
 - Tools other than `function` are skipped (mashbox cannot run them). tool_choice: auto
   (default), none, required, or {"type": "function", "function": {"name"}}; required and
   named need tools, and a named one must be among them.
 - Not supported, 400 naming the field: n != 1, logprobs true, top_logprobs,
   response_format other than text.
-- finish_reason: tool_calls when the answer made a call and ended on its own; length
-  when max_tokens or the context ran out; stop otherwise (EOS or a stop string).
-- The stream: a role-only first chunk; then content, reasoning (`reasoning_content`
-  and `reasoning`) and tool-call deltas (by index; a call's first delta has its id,
-  type and name, later ones only argument text); a finish chunk with an empty delta and
-  timings; with stream_options.include_usage a chunk with empty choices and usage; then
-  `data: [DONE]`. An error after the stream started is `event: error` carrying the
-  response id as request_id, then `data: [DONE]`.
+- stream_options.include_usage adds the usage chunk to a stream.
 """
 from __future__ import annotations
 
-import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import orjson
 
-from mashbox.api import common
+from mashbox.api import common, content, pipeline
+from mashbox.api.chat_answer import ChunkWriter
 from mashbox.api.common import OPENAI, ApiContext, bad_request
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result, timings_json
-from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
-from mashbox.http import sse
-from mashbox.http.response import json_response
-from mashbox.http.sse import StreamResponse
-
-log = logging.getLogger("mashbox.api")
+from mashbox.api.pipeline import ApiRequest
+from mashbox.api.prompt import Conversation, Prompt, ToolChoice
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio", "input_image", "input_file")
@@ -47,35 +37,31 @@ MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio", "input_imag
 # ---------------------------------------------------------------------------------------
 
 
-def _content_text(content: Any, param: str, role: str) -> str:
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text"}
+_PARTS = dict(
+    voice=content.OPENAI_CHAT,
+    media=MEDIA_PARTS,
+    media_words="{field}: {kind} parts are not supported (this model reads text only).",
+    other_words="{field} must be text, not {kind!r}.",
+    shape_what="a string, null or an array of content parts",
+    object_what="a content part object",
+    joiner="\n",
+    bare_strings=True,
+)
+PARTS = content.PartRules(text_keys=_TEXT_PARTS, **_PARTS)
+ASSISTANT_PARTS = content.PartRules(text_keys={**_TEXT_PARTS, "refusal": "refusal"}, **_PARTS)
+TOOL_WORDS = content.ToolWords(content.OPENAI_CHAT, name="function.name", description="function.description",
+                               parameters="function.parameters", empty_description=True)
+CHOICE_WORDS = content.ChoiceWords(
+    no_tools=lambda mode: bad_request("tool_choice is required but no function tools were given.", "tool_choice"),
+    unknown=lambda name: bad_request(f"tool_choice names the function {name!r}, which is not among the tools.",
+                                     "tool_choice.function.name"),
+)
+
+
+def _content_text(content_value: Any, param: str, role: str) -> str:
     """A message's content as text: string, null, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{param} must be a string, null or an array of content parts.", param)
-    texts = []
-    for j, part in enumerate(content):
-        p = f"{param}[{j}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise bad_request(f"{p} must be a content part object.", p)
-        kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") or (kind == "refusal" and role == "assistant"):
-            key = "refusal" if kind == "refusal" else "text"
-            text = part.get(key)
-            if not isinstance(text, str):
-                raise bad_request(f"{p}.{key} must be a string.", f"{p}.{key}")
-            texts.append(text)
-        elif kind in MEDIA_PARTS:
-            raise bad_request(f"{p}.type: {kind} parts are not supported (this model reads text only).",
-                              f"{p}.type")
-        else:
-            raise bad_request(f"{p}.type must be text, not {kind!r}.", f"{p}.type")
-    return "\n".join(texts)
+    return content.text_of(content_value, param, ASSISTANT_PARTS if role == "assistant" else PARTS)
 
 
 def _arguments_object(arguments: Any, param: str) -> Any:
@@ -178,18 +164,8 @@ def to_tools(raw: Any) -> list:
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise bad_request(f"{p}.function must be an object.", f"{p}.function")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"{p}.function.name must be a non-empty string.", f"{p}.function.name")
-        params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"{p}.function.parameters must be an object.", f"{p}.function.parameters")
-        desc = fn.get("description")
-        if desc is not None and not isinstance(desc, str):
-            raise bad_request(f"{p}.function.description must be a string.", f"{p}.function.description")
-        tool_fn = {"name": name, "description": desc or "",
-                   "parameters": params if params is not None else {"type": "object", "properties": {}}}
-        tools.append({"type": "function", "function": tool_fn})
+        tools.append(content.function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), p,
+                                           TOOL_WORDS))
     return tools
 
 
@@ -200,9 +176,7 @@ def to_tool_choice(raw: Any, tools: list) -> ToolChoice:
     if isinstance(raw, str):
         if raw not in ("auto", "none", "required"):
             raise bad_request(f"tool_choice must be auto, none, required or a function, not {raw!r}.", "tool_choice")
-        if raw == "required" and not tools:
-            raise bad_request("tool_choice is required but no function tools were given.", "tool_choice")
-        return ToolChoice(raw)
+        return content.checked_choice(raw, None, names, CHOICE_WORDS)
     if not isinstance(raw, dict):
         raise bad_request("tool_choice must be a string or an object.", "tool_choice")
     if raw.get("type") != "function":
@@ -211,10 +185,7 @@ def to_tool_choice(raw: Any, tools: list) -> ToolChoice:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
         raise bad_request("tool_choice.function.name must be a non-empty string.", "tool_choice.function.name")
-    if name not in names:
-        raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools.",
-                          "tool_choice.function.name")
-    return ToolChoice("named", name)
+    return content.checked_choice("named", name, names, CHOICE_WORDS)
 
 
 def read_unsupported(body: dict) -> None:
@@ -243,129 +214,11 @@ def read_enable_thinking(body: dict) -> Optional[bool]:
 
 
 # ---------------------------------------------------------------------------------------
-# Output
+# The surface
 # ---------------------------------------------------------------------------------------
 
 
-def finish_reason(result: Result) -> str:
-    if result.finish_reason == "length":
-        return "length"
-    if result.tool_calls:
-        return "tool_calls"
-    return "stop"
-
-
-def usage_json(result: Result) -> dict:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
-    }
-
-
-def tool_call_json(call) -> dict:
-    return {
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments.strip() or "{}"},
-    }
-
-
-def completion_json(cid: str, created: int, model: str, result: Result) -> dict:
-    message: dict = {"role": "assistant", "content": result.text}
-    if result.tool_calls and not result.text.strip():
-        message["content"] = None
-    if result.reasoning:
-        message["reasoning_content"] = result.reasoning
-        message["reasoning"] = result.reasoning
-    if result.tool_calls:
-        message["tool_calls"] = [tool_call_json(c) for c in result.tool_calls]
-    return {
-        "id": cid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result), "logprobs": None}],
-        "usage": usage_json(result),
-        "timings": timings_json(result.timings),
-    }
-
-
-class ChunkWriter:
-    """Builds the chat.completion.chunk frames of one stream."""
-
-    def __init__(self, cid: str, created: int, model: str):
-        self.head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-
-    def chunk(self, delta: dict, finish: Optional[str] = None, **extra) -> bytes:
-        obj = dict(self.head)
-        obj["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-        obj.update(extra)
-        return sse.data(obj)
-
-    def role(self) -> bytes:
-        return self.chunk({"role": "assistant"})
-
-    def pieces(self, pieces: list) -> list:
-        """Frames for a step's pieces: consecutive text / reasoning pieces share one delta."""
-        frames = []
-        buf_kind, buf = None, []
-
-        def flush():
-            nonlocal buf_kind, buf
-            if buf_kind == "text":
-                frames.append(self.chunk({"content": "".join(buf)}))
-            elif buf_kind == "reasoning":
-                text = "".join(buf)
-                frames.append(self.chunk({"reasoning_content": text, "reasoning": text}))
-            buf_kind, buf = None, []
-
-        for p in pieces:
-            if p.kind in ("text", "reasoning"):
-                if buf_kind != p.kind:
-                    flush()
-                    buf_kind = p.kind
-                buf.append(p.text)
-                continue
-            flush()
-            if p.kind == "tool_start":
-                frames.append(self.chunk({"tool_calls": [{
-                    "index": p.index, "id": p.id, "type": "function",
-                    "function": {"name": p.name, "arguments": ""},
-                }]}))
-            elif p.kind == "tool_args" and p.text:
-                frames.append(self.chunk({"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]}))
-        flush()
-        return frames
-
-    def finish(self, result: Result) -> bytes:
-        return self.chunk({}, finish_reason(result), timings=timings_json(result.timings))
-
-    def usage(self, result: Result) -> bytes:
-        obj = dict(self.head)
-        obj["choices"] = []
-        obj["usage"] = usage_json(result)
-        obj["timings"] = timings_json(result.timings)
-        return sse.data(obj)
-
-
-def stream_error(message: str, response_id: str, code: str = "internal_error") -> bytes:
-    return sse.event("error", {"error": {"message": message, "type": "server_error", "param": None,
-                                         "code": code, "request_id": response_id}})
-
-
-def failed_stream(exc: GenerationError, response_id: str) -> tuple[bytes, bytes]:
-    """The last frames of a Chat or Completions stream whose request failed on the device."""
-    return stream_error(f"The request failed on the device: {exc}", response_id), sse.DONE
-
-
-# ---------------------------------------------------------------------------------------
-# The handler
-# ---------------------------------------------------------------------------------------
-
-
-def parse_request(api: ApiContext, body: Any):
+def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
     common.check_model(body, api)
     read_unsupported(body)
@@ -378,42 +231,15 @@ def parse_request(api: ApiContext, body: Any):
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
                         enable_thinking=read_enable_thinking(body))
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
-    return conv, fields, stream, include_usage
+    return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage)
 
 
-async def _stream(gen: Generation, writer: ChunkWriter, include_usage: bool, cid: str) -> AsyncIterator[bytes]:
-    try:
-        yield writer.role()
-        async for step in gen.steps():
-            frames = writer.pieces(step.pieces)
-            if frames:
-                gen.output_sent = True
-                for f in frames:
-                    yield f
-            if step.finished:
-                yield writer.finish(gen.result)
-                if include_usage:
-                    yield writer.usage(gen.result)
-                yield sse.DONE
-                return
-    except GenerationError as exc:
-        for frame in failed_stream(exc, cid):
-            yield frame
+def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ChunkWriter:
+    return ChunkWriter(answer_id, common.now(), api.model_id, request.include_usage)
+
+
+SURFACE = pipeline.Surface("/v1/chat/completions", OPENAI, "chatcmpl-", convert, writer)
 
 
 def routes(api: ApiContext) -> list:
-    async def chat_completions(req):
-        body = common.request_body(api, req, OPENAI)
-        conv, fields, stream, include_usage = parse_request(api, body)
-        prompt = chat_prompt(api, conv, fields.max_tokens)
-        cid = common.new_id("chatcmpl-")
-        gen = Generation(api, prompt, fields, OPENAI, tenant=req.tenant, request_id=cid, tool_id_prefix="call_")
-        gen.submit()
-        created = common.now()
-        if stream:
-            frames = _stream(gen, ChunkWriter(cid, created, api.model_id), include_usage, cid)
-            return StreamResponse(EventStream(frames, gen))
-        result = await gen.run()
-        return json_response(completion_json(cid, created, api.model_id, result))
-
-    return [("POST", "/v1/chat/completions", chat_completions, OPENAI)]
+    return [pipeline.route(api, SURFACE)]

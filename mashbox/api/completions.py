@@ -14,16 +14,15 @@ Rules:
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, Optional
 
-from mashbox.api import common
-from mashbox.api.chat import failed_stream
+from mashbox.api import common, pipeline
+from mashbox.api.chat_answer import stream_error
 from mashbox.api.common import OPENAI, ApiContext, bad_request
-from mashbox.api.generation import EventStream, Generation, GenerationError, Result
-from mashbox.api.prompt import text_prompt
+from mashbox.api.generation import Piece, Result
+from mashbox.api.pipeline import ApiRequest
+from mashbox.api.prompt import Prompt
 from mashbox.http import sse
-from mashbox.http.response import json_response
-from mashbox.http.sse import StreamResponse
 
 
 def read_prompt(body: dict) -> str:
@@ -47,7 +46,7 @@ def finish_reason(result: Result) -> str:
 
 
 def completion_json(cid: str, created: int, model: str, text: str, finish, seed: int,
-                    result: Result = None) -> dict:
+                    result: Optional[Result] = None) -> dict:
     obj = {
         "id": cid,
         "object": "text_completion",
@@ -65,7 +64,42 @@ def completion_json(cid: str, created: int, model: str, text: str, finish, seed:
     return obj
 
 
-def parse_request(api: ApiContext, body: Any):
+class CompletionWriter:
+    """The pipeline.Writer of a Completions answer: one text_completion per step's text."""
+
+    heartbeat_s: Optional[float] = None
+    start_waits_for_engine = False
+
+    def __init__(self, cid: str, created: int, model: str, seed: int):
+        self.id, self.created, self.model, self.seed = cid, created, model, seed
+
+    def _object(self, text: str, finish: Optional[str], result: Optional[Result] = None) -> dict:
+        return completion_json(self.id, self.created, self.model, text, finish, self.seed, result)
+
+    def start_frames(self, result: Result) -> list[bytes]:
+        return []
+
+    def step_frames(self, pieces: list[Piece]) -> list[bytes]:
+        text = "".join(p.text for p in pieces if p.kind == "text")
+        return [sse.data(self._object(text, None))] if text else []
+
+    def end_frames(self, result: Result) -> list[bytes]:
+        return [sse.data(self._object("", finish_reason(result))), sse.DONE]
+
+    def fail_frames(self, message: str) -> list[bytes]:
+        return [stream_error(message, self.id), sse.DONE]
+
+    def keepalive_frames(self) -> list[bytes]:
+        return []
+
+    def collect(self, piece: Piece) -> None:
+        pass  # the whole completion is built from the result
+
+    def whole(self, result: Result) -> dict:
+        return self._object(result.text, finish_reason(result), result)
+
+
+def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
     common.check_model(body, api)
     if body.get("logprobs") is not None:
@@ -74,39 +108,15 @@ def parse_request(api: ApiContext, body: Any):
     stream = common.get_bool(body, "stream", False)
     text = read_prompt(body)
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
-    return text, fields, stream
+    return ApiRequest(fields=fields, stream=stream, text=text)
 
 
-async def _stream(gen: Generation, cid: str, created: int, model: str, seed: int) -> AsyncIterator[bytes]:
-    try:
-        async for step in gen.steps():
-            text = "".join(p.text for p in step.pieces if p.kind == "text")
-            if text:
-                gen.output_sent = True
-                yield sse.data(completion_json(cid, created, model, text, None, seed))
-            if step.finished:
-                yield sse.data(completion_json(cid, created, model, "", finish_reason(gen.result), seed))
-                yield sse.DONE
-                return
-    except GenerationError as exc:
-        for frame in failed_stream(exc, cid):
-            yield frame
+def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> CompletionWriter:
+    return CompletionWriter(answer_id, common.now(), api.model_id, request.fields.sampling.seed)
+
+
+SURFACE = pipeline.Surface("/v1/completions", OPENAI, "cmpl-", convert, writer)
 
 
 def routes(api: ApiContext) -> list:
-    async def completions(req):
-        body = common.request_body(api, req, OPENAI)
-        text, fields, stream = parse_request(api, body)
-        prompt = text_prompt(api, text, fields.max_tokens)
-        cid = common.new_id("cmpl-")
-        gen = Generation(api, prompt, fields, OPENAI, tenant=req.tenant, request_id=cid)
-        gen.submit()
-        created = common.now()
-        seed = fields.sampling.seed
-        if stream:
-            return StreamResponse(EventStream(_stream(gen, cid, created, api.model_id, seed), gen))
-        result = await gen.run()
-        return json_response(completion_json(cid, created, api.model_id, result.text, finish_reason(result),
-                                             seed, result))
-
-    return [("POST", "/v1/completions", completions, OPENAI)]
+    return [pipeline.route(api, SURFACE)]

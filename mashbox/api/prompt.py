@@ -8,8 +8,15 @@ Rules:
      "tool_call_id": str, "name": str, "reasoning_content": str}
   and HF-style tools `{"type": "function", "function": {"name", "description",
   "parameters"}}`.
-- System and developer messages, wherever they stand, are joined (in order, blank line
-  between) into one system message at the front: templates expect at most one, first.
+- System text, one rule for every API (`place_system`): the system / developer messages
+  before the first other message are joined (in order, blank line between, empty ones
+  dropped) into one system message at the front, since templates expect at most one,
+  first. One that comes later stays where it stands, as user text in
+  <system-reminder> tags (added to the user message it follows, else a user message of
+  its own). Why not move it to the front: agents add such notes as a conversation
+  grows, and moving one would change the prompt's first tokens, so the prefix cache
+  could serve none of a long conversation again. Converters leave system messages
+  where the client put them; this is the only place that moves or rewrites them.
 - tool_choice: none renders no tools and parses none; auto renders them; required and
   a named function also start the assistant turn with the opening of a call
   (`<tool_call>\n` / `<tool_call>\n{"name": "NAME", "arguments": `), so even a small
@@ -19,6 +26,13 @@ Rules:
 - max_tokens: default = what is left of the context after the prompt; a larger request
   is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
   token is a 400 that says by how many tokens it is too long.
+- A prompt far too long is refused before it is rendered or tokenized (that costs
+  seconds for megabytes of text): no token covers more characters than the longest
+  entry of the vocabulary, so text of C characters is at least
+  C / (SHRINK * longest) tokens (SHRINK allows for a normalizer that composes
+  characters); when that bound alone leaves no room in the context, the 400 says
+  "at least" that many tokens. Only message / prompt text is counted (a template may
+  drop earlier thoughts, never the messages' content).
 """
 from __future__ import annotations
 
@@ -73,20 +87,31 @@ class Prompt:
 # ---------------------------------------------------------------------------------------
 
 
-def join_system(messages: list) -> list:
-    """Move every system / developer message's text into one leading system message."""
-    system_parts: list[str] = []
-    rest = []
+SYSTEM_ROLES = ("system", "developer")
+
+
+def place_system(messages: list) -> list:
+    """Apply the system rule (module rules) to a conversation's messages."""
+    leading: list[str] = []
+    out: list[dict] = []
     for m in messages:
-        if m.get("role") in ("system", "developer"):
-            text = m.get("content") or ""
+        if m.get("role") not in SYSTEM_ROLES:
+            out.append(m)
+            continue
+        text = m.get("content") or ""
+        if not out:
             if text:
-                system_parts.append(text)
+                leading.append(text)
+            continue
+        note = f"<system-reminder>\n{text}\n</system-reminder>"
+        last = out[-1]
+        if last["role"] == "user":
+            out[-1] = {**last, "content": f"{last['content']}\n\n{note}" if last["content"] else note}
         else:
-            rest.append(m)
-    if system_parts:
-        return [{"role": "system", "content": "\n\n".join(system_parts)}] + rest
-    return rest
+            out.append({"role": "user", "content": note})
+    if leading:
+        return [{"role": "system", "content": "\n\n".join(leading)}] + out
+    return out
 
 
 def tool_names(tools: list) -> tuple[str, ...]:
@@ -137,7 +162,7 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     token, so the opening is that id followed by the rest as continuation text. The
     client's part (a tool name) is always plain text.
     """
-    messages = join_system(conv.messages)
+    messages = place_system(conv.messages)
     use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
     tools = conv.tools if use_tools else None
     forced = forced_opening(conv.tool_choice, tool_names(conv.tools)) if use_tools else ""
@@ -151,6 +176,35 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
         ids = list(built.ids)
     in_reasoning = bool(built.in_reasoning) and not forced
     return ids, in_reasoning, forced, use_tools
+
+
+SHRINK = 4  # characters a normalizer may fold into one (NFC / NFKC compose at most ~3)
+_LONGEST_TOKEN: dict[int, int] = {}  # id(tokenizer) -> characters of its longest vocabulary entry
+
+
+def longest_token_chars(tokenizer) -> int:
+    key = id(tokenizer)
+    if key not in _LONGEST_TOKEN:
+        vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+        _LONGEST_TOKEN[key] = max((len(t) for t in vocab), default=1) or 1
+    return _LONGEST_TOKEN[key]
+
+
+def conversation_chars(conv: Conversation) -> int:
+    """Characters of the conversation's message content (what every template renders)."""
+    return sum(len(m["content"]) for m in conv.messages if isinstance(m.get("content"), str))
+
+
+def refuse_far_too_long(api: ApiContext, chars: int, param: str) -> None:
+    """The cheap early 400 (module rules): no rendering, no tokenizing."""
+    ctx = api.ctx
+    at_least = chars // (SHRINK * longest_token_chars(api.tokenizer))
+    if at_least >= ctx:
+        raise bad_request(
+            f"The prompt is at least {at_least} tokens, more than the context of {ctx} tokens "
+            f"(which must also hold at least one new token); shorten it.",
+            param,
+        )
 
 
 def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], param: str = "messages") -> int:
@@ -170,6 +224,7 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
 
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
     """Render, tokenize, force the tool choice, fit max_tokens."""
+    refuse_far_too_long(api, conversation_chars(conv), "messages")
     ids, in_reasoning, forced, use_tools = _render(api, conv)
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
@@ -191,6 +246,7 @@ def count_chat_tokens(api: ApiContext, conv: Conversation) -> int:
 def text_prompt(api: ApiContext, text: str, max_tokens: Optional[int], param: str = "prompt") -> Prompt:
     """A plain prompt (Completions): no template; BOS added when the model wants it."""
     tok = api.tokenizer
+    refuse_far_too_long(api, len(text), param)
     ids = list(tok.encode(text))
     bos = getattr(tok, "bos_id", None)
     if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):

@@ -1,4 +1,5 @@
-"""The OpenAI Responses route: POST /v1/responses.
+"""The OpenAI Responses surface: POST /v1/responses. The request converter is here; the
+answer writer is response_answer.ResponseStream.
 
 Rules:
 - `instructions` is the system prompt; `input` is a string (one user message) or items:
@@ -6,11 +7,11 @@ Rules:
   parts), function_call, function_call_output, custom_tool_call(_output),
   local_shell_call(_output), reasoning. Assistant-side items that follow each other
   (reasoning, assistant message, calls) form one assistant turn; outputs become tool
-  messages. A system / developer message after the first turn stays at its place as
-  user text in <system-reminder> tags (messages.add_system_note: the prompt's start,
-  and so the prefix cache, stays the same turn to turn). Image, audio and file parts are a 400 naming the part (text-only model).
-  Other item types carry nothing a text model can use and are skipped (logged), except
-  item_reference: nothing is stored here to resolve it, so it is a 400.
+  messages. A system / developer message stays a system message at its place
+  (prompt.place_system: the one rule for every API). Image, audio and file parts are a
+  400 naming the part (text-only model). Other item types carry nothing a text model can
+  use and are skipped (logged), except item_reference: nothing is stored here to resolve
+  it, so it is a 400.
 - Tools: function (strict is accepted; the call's arguments are whatever the model
   wrote), namespace (each inner tool is shown to the model as `<namespace>__<name>`, or
   `<namespace><name>` when the namespace already ends in `_` or `.`, and its calls
@@ -21,30 +22,19 @@ Rules:
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
 - Refused (400 naming the field): an `include` entry naming logprobs, top_logprobs,
   text.format other than {"type": "text"}.
-- Output (`ResponseStream`): pieces become output items in the order they come:
-  reasoning (reasoning_text part), message (output_text part), function_call,
-  custom_tool_call. The same object builds the non-streamed Response. Every stream
-  event has a sequence_number rising from 1: response.created, response.in_progress,
-  per item output_item.added, its part / text / arguments events, output_item.done,
-  then response.completed (or response.incomplete when max_output_tokens ran out).
-  An error after the stream started is `error`, then `response.failed`.
+- The Response repeats request fields (`echo_fields`).
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from mashbox.api import answer, common
-from mashbox.api.answer import Answer
+from mashbox.api import common, content, pipeline
 from mashbox.api.common import OPENAI, ApiContext
-from mashbox.api.generation import EventStream, Generation, Result
-from mashbox.api.messages import add_system_note
-from mashbox.api.prompt import Conversation, ToolChoice, chat_prompt
-from mashbox.http.response import json_response
-from mashbox.http.sse import StreamResponse
+from mashbox.api.pipeline import ApiRequest
+from mashbox.api.prompt import Conversation, Prompt, ToolChoice
+from mashbox.api.response_answer import ResponseStream, ToolRef
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +53,6 @@ def bad_request(field: str, message: str):
     return common.bad_request(f"{field}: {message}", field, common.OPENAI)
 
 
-@dataclass(frozen=True)
-class ToolRef:
-    """What a name the model calls stands for."""
-
-    kind: str  # "function" | "custom"
-    name: str  # the name the client gave (inside its namespace)
-    namespace: Optional[str] = None
-
-
 def prompt_name(namespace: Optional[str], name: str) -> str:
     if not namespace:
         return name
@@ -83,31 +64,41 @@ def prompt_name(namespace: Optional[str], name: str) -> str:
 # ---------------------------------------------------------------- tools
 
 
+TOOL_WORDS = content.ToolWords(content.COLON)
+CHOICE_WORDS = content.ChoiceWords(
+    no_tools=lambda mode: bad_request("tool_choice", "required needs at least one function or custom tool"),
+    unknown=lambda name: bad_request("tool_choice.name", f"no single tool named {name!r} in tools"),
+)
+PARTS = content.PartRules(
+    voice=content.COLON,
+    text_keys={kind: "text" for kind in _TEXT_PARTS},
+    loose_keys={"refusal": "refusal"},
+    media=_MEDIA_PARTS,
+    media_words="{field}: {kind} parts are not supported (text-only model)",
+    other_words="{field}: unsupported content part type {kind!r}",
+    shape_what="a string or an array of content parts",
+    object_what="a content part object",
+    bare_strings=True,
+    strings_joiner="",
+)
+
+
 def _function_tool(tool: dict, field: str, namespace: Optional[str]) -> tuple[dict, ToolRef]:
     name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise bad_request(f"{field}.name", "must be a non-empty string")
     kind = tool.get("type")
     description = tool.get("description")
-    if description is not None and not isinstance(description, str):
-        raise bad_request(f"{field}.description", "must be a string")
+    parameters = tool.get("parameters")
     if kind == "custom":
         parameters = CUSTOM_INPUT_PARAMETERS
         fmt = tool.get("format")
-        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        if isinstance(description, (str, type(None))) and isinstance(fmt, dict) and \
+                fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
             # The model cannot be held to the grammar; showing it is the next best thing.
             extra = f"The input must follow this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
             description = f"{description}\n\n{extra}" if description else extra
-    else:
-        parameters = tool.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise bad_request(f"{field}.parameters", "must be an object")
-    fn = {"name": prompt_name(namespace, name), "parameters": parameters}
-    if description:
-        fn["description"] = description
-    return {"type": "function", "function": fn}, ToolRef(kind, name, namespace)
+    pname = prompt_name(namespace, name) if isinstance(name, str) else None
+    fn = content.function_tool(name, description, parameters, field, TOOL_WORDS, prompt_name=pname)
+    return fn, ToolRef(kind, name, namespace)
 
 
 def conversation_tools(tools: Any) -> tuple[list[dict], dict[str, ToolRef]]:
@@ -167,19 +158,18 @@ def conversation_tool_choice(choice: Any, refs: dict[str, ToolRef]) -> ToolChoic
     if choice == "none":
         return ToolChoice("none")
     if choice == "required":
-        if not refs:
-            raise bad_request("tool_choice", "required needs at least one function or custom tool")
-        return ToolChoice("required")
+        return content.checked_choice("required", None, refs, CHOICE_WORDS)
     if isinstance(choice, dict):
         kind = choice.get("type")
         if kind == "function":
             # Responses shape {"type", "name"}; the Chat shape {"type", "function": {"name"}} too.
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
-            return ToolChoice("named", _find_tool(name, choice.get("namespace"), refs, "function", "tool_choice"))
+            pname = _find_tool(name, choice.get("namespace"), refs, "function", "tool_choice")
+            return content.checked_choice("named", pname, refs, CHOICE_WORDS)
         if kind == "custom":
-            return ToolChoice("named", _find_tool(choice.get("name"), choice.get("namespace"), refs, "custom",
-                                                  "tool_choice"))
+            pname = _find_tool(choice.get("name"), choice.get("namespace"), refs, "custom", "tool_choice")
+            return content.checked_choice("named", pname, refs, CHOICE_WORDS)
         if kind == "allowed_tools":
             mode = choice.get("mode", "auto")
             if mode not in ("auto", "required"):
@@ -192,35 +182,9 @@ def conversation_tool_choice(choice: Any, refs: dict[str, ToolRef]) -> ToolChoic
 # ---------------------------------------------------------------- input -> messages
 
 
-def _parts_text(content: Any, field: str) -> str:
+def _parts_text(content_value: Any, field: str) -> str:
     """A string, or a list of text parts -> the text. Media parts are a 400."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if not isinstance(content, list):
-        raise bad_request(field, "must be a string or an array of content parts")
-    texts = []
-    for j, part in enumerate(content):
-        f = f"{field}[{j}]"
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise bad_request(f, "must be a content part object")
-        kind = part.get("type")
-        if kind in _MEDIA_PARTS:
-            raise bad_request(f"{f}.type", f"{kind} parts are not supported (text-only model)")
-        if kind == "refusal":
-            texts.append(str(part.get("refusal", "")))
-        elif kind in _TEXT_PARTS:
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad_request(f"{f}.text", "must be a string")
-            texts.append(text)
-        else:
-            raise bad_request(f"{f}.type", f"unsupported content part type {kind!r}")
-    return "".join(texts) if all(isinstance(p, str) for p in content) else "\n\n".join(texts)
+    return content.text_of(content_value, field, PARTS)
 
 
 def _arguments(raw: Any, field: str):
@@ -299,6 +263,8 @@ def conversation_messages(body: dict) -> list[dict]:
         return turns.messages
     if not isinstance(inp, list):
         raise bad_request("input", "is required: a string or an array of items")
+    if not inp:
+        raise bad_request("input", "must hold at least one item")
     for i, item in enumerate(inp):
         f = f"input[{i}]"
         if not isinstance(item, dict):
@@ -310,7 +276,7 @@ def conversation_messages(body: dict) -> list[dict]:
             role = item.get("role")
             text = _parts_text(item.get("content"), f"{f}.content")
             if role in ("system", "developer"):
-                add_system_note(turns.messages, text)
+                turns.plain("system", text)
             elif role == "user":
                 turns.plain("user", text)
             elif role == "assistant":
@@ -400,232 +366,8 @@ def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
     return conv, refs
 
 
-# ---------------------------------------------------------------- pieces -> Response / events
+# ---------------------------------------------------------------- the surface
 
-
-def usage_block(prompt_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict:
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": prompt_tokens + output_tokens,
-    }
-
-
-def custom_input(arguments: str) -> str:
-    """A custom tool call's raw input: the `input` string of the arguments the model wrote,
-    or the whole argument text when the model did not write that shape."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    if isinstance(value, dict) and isinstance(value.get("input"), str):
-        return value["input"]
-    return arguments
-
-
-class ResponseStream(Answer):
-    """One answer as Responses output items and stream events.
-
-    Methods take one parsed piece and return the events it causes, as (type, payload)
-    pairs, each payload already carrying its sequence_number. The open item:
-
-        open \\ piece   reasoning          text               tool start
-        None           open reasoning     open message       open call item
-        reasoning      reasoning delta    close, message     close, call
-        message        close, reasoning   output_text delta  close, call
-        call           (tool_end closes it; any other piece first closes it)
-
-    An item closes with its .done events and output_item.done. function_call
-    arguments stream as they come (the SDK only concatenates them); a custom tool's
-    input is known only when the call ends (it is the `input` string of the arguments),
-    so it goes out as one delta then.
-    """
-
-    NAME = "responses"
-    TEXT_KIND = "message"
-    CALL_KINDS = ("function_call", "custom_tool_call")
-
-    def __init__(self, response_id: str, model: str, created_at: int, echo: dict, refs: dict[str, ToolRef]):
-        super().__init__(response_id)
-        self.model = model
-        self.created_at = created_at
-        self.echo = echo  # request fields the Response repeats (tools, tool_choice, ...)
-        self.refs = refs
-        self.items: list[dict] = []
-        self._seq = 0
-
-    # -- events
-
-    def _event(self, kind: str, **fields) -> tuple[str, dict]:
-        self._seq += 1
-        payload = {"type": kind, "sequence_number": self._seq}
-        payload.update(fields)
-        return kind, payload
-
-    def response(self, status: str, usage: Optional[dict] = None, incomplete_reason: Optional[str] = None,
-                 error: Optional[dict] = None) -> dict:
-        obj = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "error": error,
-            "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-            "model": self.model,
-            "output": [dict(item) for item in self.items] if status != "in_progress" else [],
-            "usage": usage,
-        }
-        obj.update(self.echo)
-        return obj
-
-    def start(self) -> list[tuple[str, dict]]:
-        return [
-            self._event("response.created", response=self.response("in_progress")),
-            self._event("response.in_progress", response=self.response("in_progress")),
-        ]
-
-    # -- items
-
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def _open_item(self, item: dict) -> list[tuple[str, dict]]:
-        events = self._close()
-        self._pending_space = ""
-        self.items.append(item)
-        self._open = item["type"]
-        added = dict(item)
-        added["status"] = "in_progress"
-        if item["type"] == "message":
-            added["content"] = []
-        elif item["type"] == "reasoning":
-            added["content"] = []
-        events.append(self._event("response.output_item.added", output_index=self._index(), item=added))
-        if item["type"] in ("message", "reasoning"):
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
-                if item["type"] == "message" else {"type": "reasoning_text", "text": ""}
-            events.append(self._event("response.content_part.added", item_id=item["id"],
-                                      output_index=self._index(), content_index=0, part=part))
-        return events
-
-    def _close(self) -> list[tuple[str, dict]]:
-        if self._open is None:
-            return []
-        item = self.items[-1]
-        index = self._index()
-        events = []
-        if self._open == "message":
-            part = item["content"][0]
-            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))
-        elif self._open == "reasoning":
-            part = item["content"][0]
-            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"]))
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=dict(part)))
-        elif self._open == "function_call":
-            item["arguments"] = "".join(self._args)
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, arguments=item["arguments"]))
-        elif self._open == "custom_tool_call":
-            item["input"] = custom_input("".join(self._args))
-            if item["input"]:
-                events.append(self._event("response.custom_tool_call_input.delta", item_id=item["id"],
-                                          output_index=index, delta=item["input"]))
-            events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"],
-                                      output_index=index, input=item["input"]))
-        self._args = []
-        item["status"] = "completed"
-        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
-        self._open = None
-        return events
-
-    # -- pieces
-
-    def reasoning(self, text: str) -> list[tuple[str, dict]]:
-        if not text:
-            return []
-        events = [] if self._open == "reasoning" else self._open_item({
-            "id": common.new_id("rs_"), "type": "reasoning", "summary": [],
-            "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress",
-        })
-        item = self.items[-1]
-        item["content"][0]["text"] += text
-        events.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._index(),
-                                  content_index=0, delta=text))
-        return events
-
-    def text(self, text: str) -> list[tuple[str, dict]]:
-        text = self._unheld_text(text)
-        if not text:
-            return []
-        events = [] if self._open == "message" else self._open_item({
-            "id": common.new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
-            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
-        })
-        item = self.items[-1]
-        item["content"][0]["text"] += text
-        events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index(),
-                                  content_index=0, delta=text, logprobs=[]))
-        return events
-
-    def tool_start(self, name: str, call_id: str = "") -> list[tuple[str, dict]]:
-        ref = self.refs.get(name, ToolRef("function", name))
-        call_id = call_id or common.new_id("call_")
-        if ref.kind == "custom":
-            item = {"id": common.new_id("ctc_"), "type": "custom_tool_call", "call_id": call_id,
-                    "name": ref.name, "input": "", "status": "in_progress"}
-        else:
-            item = {"id": common.new_id("fc_"), "type": "function_call", "call_id": call_id,
-                    "name": ref.name, "arguments": "", "status": "in_progress"}
-        if ref.namespace:
-            item["namespace"] = ref.namespace
-        return self._open_item(item)
-
-    def tool_args(self, delta: str) -> list[tuple[str, dict]]:
-        self._require_call()
-        if not delta:
-            return []
-        self._args.append(delta)
-        if self._open == "custom_tool_call":
-            return []
-        return [self._event("response.function_call_arguments.delta", item_id=self.items[-1]["id"],
-                            output_index=self._index(), delta=delta)]
-
-    # -- the end
-
-    def finish(self, finish_reason: str, usage: dict) -> list[tuple[str, dict]]:
-        events = self._close()
-        obj = self.final(finish_reason, usage)
-        kind = "response.incomplete" if obj["status"] == "incomplete" else "response.completed"
-        events.append(self._event(kind, response=obj))
-        return events
-
-    def end(self, result: Result, usage: dict) -> list[tuple[str, dict]]:
-        return self.finish(result.finish_reason, usage)
-
-    def final(self, finish_reason: str, usage: dict) -> dict:
-        self._close()
-        if finish_reason == "length":
-            return self.response("incomplete", usage, incomplete_reason="max_output_tokens")
-        return self.response("completed", usage)
-
-    def fail(self, message: str, code: str = "server_error") -> list[tuple[str, dict]]:
-        """An error after the stream started: `error`, then response.failed. Open items
-        are left as they were (in progress): they did not finish."""
-        error = {"code": code, "message": message}
-        return [
-            self._event("error", code=code, message=message, param=None),
-            self._event("response.failed", response=self.response("failed", None, error=error)),
-        ]
-
-
-# ---------------------------------------------------------------- the handler
 
 # Request fields the Response object repeats, with their defaults.
 ECHOED = (
@@ -651,36 +393,21 @@ def echo_fields(body: dict) -> dict:
     return echo
 
 
-def parse_request(api: ApiContext, body: Any):
+def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
     common.check_model(body, api)
     conv, refs = to_conversation(body)
     stream = common.get_bool(body, "stream", False)
     fields = common.read_sampling(body, ("max_output_tokens", "max_completion_tokens", "max_tokens"))
-    return conv, refs, fields, stream, echo_fields(body)
+    return ApiRequest(fields=fields, stream=stream, conversation=conv, echo=echo_fields(body), tool_refs=refs)
 
 
-def result_usage(api: ApiContext, result: Result) -> dict:
-    reasoning_tokens = 0
-    if result.reasoning:
-        # The engine counts tokens, not which of them were thoughts: re-encode the thoughts.
-        reasoning_tokens = min(len(api.tokenizer.encode(result.reasoning)), result.completion_tokens)
-    return usage_block(result.prompt_tokens, result.cached_tokens, result.completion_tokens, reasoning_tokens)
+def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ResponseStream:
+    return ResponseStream(answer_id, api.model_id, common.now(), request.echo, request.tool_refs, api.tokenizer)
+
+
+SURFACE = pipeline.Surface("/v1/responses", OPENAI, "resp_", convert, writer)
 
 
 def routes(api: ApiContext) -> list:
-    async def create_response(req):
-        body = common.request_body(api, req, OPENAI)
-        conv, refs, fields, stream, echo = parse_request(api, body)
-        prompt = chat_prompt(api, conv, fields.max_tokens)
-        rid = common.new_id("resp_")
-        gen = Generation(api, prompt, fields, OPENAI, tenant=req.tenant, request_id=rid, tool_id_prefix="call_")
-        gen.submit()
-        rs = ResponseStream(rid, api.model_id, common.now(), echo, refs)
-        usage = functools.partial(result_usage, api)
-        if stream:
-            return StreamResponse(EventStream(answer.frames(gen, rs, usage), gen))
-        r = await gen.run(rs.feed)
-        return json_response(rs.final(r.finish_reason, usage(r)))
-
-    return [("POST", "/v1/responses", create_response, OPENAI)]
+    return [pipeline.route(api, SURFACE)]

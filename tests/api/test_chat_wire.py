@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+import harness
 from api_scripted_engine import NotReady, QueueFull, server_fixtures, text_events
 
 THINK_TEMPLATE = (
@@ -52,31 +53,15 @@ def reset(script, engine):
     yield
 
 
-def sse_frames(raw: bytes) -> list[tuple[str, str]]:
-    """(event name or "", data) per SSE frame; comments skipped."""
-    frames = []
-    for block in raw.decode().split("\n\n"):
-        if not block.strip() or block.startswith(":"):
-            continue
-        name, data = "", []
-        for line in block.split("\n"):
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                data.append(line[len("data: "):])
-        frames.append((name, "\n".join(data)))
-    return frames
-
-
 def post(app, body, path="/v1/chat/completions"):
-    return httpx.post(app.base_url + path, json=body, timeout=30)
+    return harness.post(app.base_url, body, path, timeout=30)
 
 
 def stream_frames(app, body, path="/v1/chat/completions"):
     r = post(app, body, path)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/event-stream")
-    return sse_frames(r.content)
+    return harness.sse_frames(r.content)
 
 
 def user(text="Hi"):
@@ -377,3 +362,18 @@ def test_sdk_stream_accumulator_builds_the_typed_completion(app, script):
     assert choice.message.content == "Let me check."
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_system_messages_follow_the_one_rule(app, engine, default_model_path):
+    """Leading system / developer messages join the system prompt; a later one stays in
+    place as a <system-reminder> note (prompt.place_system), as on /v1/messages."""
+    from mashbox.text.tokenizer import load_tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use French."},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut"},
+                {"role": "system", "content": "The user is tired."}, {"role": "user", "content": "Bye"}]
+    assert post(app, {"messages": messages}).status_code == 200
+    text = load_tokenizer(default_model_path).decode(engine.submitted[-1].prompt_ids)
+    # (decoded without the special tokens: <|im_start|> / <|im_end|> are not in the text)
+    assert text == ("system\nBe brief.\n\nUse French.\nuser\nHi\nassistant\nSalut\n"
+                    "user\n<system-reminder>\nThe user is tired.\n</system-reminder>\nuser\nBye\nassistant\n")

@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+import harness
 from api_scripted_engine import server_fixtures, text_events
 
 
@@ -27,14 +28,7 @@ def reset(script):
 
 
 def frames_of(r) -> list[tuple[str, str]]:
-    out = []
-    for block in r.text.split("\n\n"):
-        if not block or block.startswith(":"):
-            continue
-        lines = block.split("\n")
-        name = lines[0][len("event: "):] if lines[0].startswith("event: ") else ""
-        out.append((name, lines[-1][len("data: "):]))
-    return out
+    return harness.sse_frames(r.content)
 
 
 def test_stream_exact(app):

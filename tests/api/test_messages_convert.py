@@ -10,7 +10,9 @@ import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 
+from mashbox.api import message_answer as ma
 from mashbox.api import messages as m
+from mashbox.api.prompt import place_system
 from mashbox.api.generation import Piece
 from mashbox.http.response import HTTPError
 
@@ -70,7 +72,8 @@ def test_user_blocks_tool_results_and_mid_conversation_system():
         ]},
         {"role": "system", "content": "The user switched to plan mode."},
     ])
-    assert c.messages == [
+    assert c.messages[-1] == {"role": "system", "content": "The user switched to plan mode."}  # left in place
+    assert place_system(c.messages) == [
         {"role": "user", "content": "list files\n\n<system-reminder>x</system-reminder>"},
         {"role": "assistant", "content": "Let me look.", "reasoning_content": "I should call ls.",
          "tool_calls": [{"id": "toolu_1", "type": "function",
@@ -89,9 +92,9 @@ def test_system_messages_in_the_list_keep_their_place():
         {"role": "system", "content": [{"type": "text", "text": "late note"}]},
         {"role": "user", "content": "next"},
     ])
-    assert c.messages == [
-        {"role": "system", "content": "S"},
-        {"role": "system", "content": "early note"},
+    assert c.messages[:2] == [{"role": "system", "content": "S"}, {"role": "system", "content": "early note"}]
+    assert place_system(c.messages) == [
+        {"role": "system", "content": "S\n\nearly note"},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
         {"role": "user", "content": "<system-reminder>\nlate note\n</system-reminder>"},
@@ -163,13 +166,13 @@ def test_thinking_types():
 
 
 def run_pieces(pieces, finish="stop", stop_sequence=None):
-    ms = m.MessageStream("msg_test", "claude-x", prompt_tokens=12)
+    ms = ma.MessageStream("msg_test", "claude-x", prompt_tokens=12)
     events = ms.start()
     for p in pieces:
         events.extend(ms.feed(p))
-    usage = m.usage_block(12, 4, 9)
+    usage = ma.usage_block(12, 4, 9)
     events.extend(ms.finish(finish, stop_sequence, usage))
-    ms2 = m.MessageStream("msg_test", "claude-x", prompt_tokens=12)
+    ms2 = ma.MessageStream("msg_test", "claude-x", prompt_tokens=12)
     for p in pieces:
         ms2.feed(p)
     return events, ms2.message(finish, stop_sequence, usage)
@@ -255,7 +258,7 @@ def test_empty_answer_and_bad_tool_arguments():
 
 
 def test_error_event_shape():
-    name, payload = m.error_event("boom", request_id="msg_1")
+    name, payload = ma.error_event("boom", request_id="msg_1")
     assert name == "error" and payload["error"] == {"type": "api_error", "message": "boom"}
 
 

@@ -8,6 +8,8 @@ import anthropic
 import httpx
 import pytest
 
+import harness
+
 pytestmark = pytest.mark.slow
 
 WEATHER = {
@@ -27,22 +29,7 @@ def client(server):
 def raw_stream(base_url: str, body: dict, path: str = "/v1/messages", headers: dict = None) -> list[tuple[str, dict]]:
     """POST a streamed request and split the raw bytes into (event, data) frames, checking
     the frame layout byte for byte."""
-    with httpx.Client(timeout=300) as http:
-        resp = http.post(base_url + path, json=body, headers=headers or {})
-        assert resp.status_code == 200, resp.text
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        raw = resp.content
-    frames = []
-    assert raw.endswith(b"\n\n")
-    for block in raw[:-2].split(b"\n\n"):
-        if block.startswith(b":"):
-            continue  # an SSE comment (heartbeat)
-        name, data = block.split(b"\n")
-        assert name.startswith(b"event: ") and data.startswith(b"data: ")
-        payload = json.loads(data[6:])
-        assert payload["type"] == name[7:].decode()
-        frames.append((payload["type"], payload))
-    return frames
+    return harness.raw_stream(base_url, body, path, headers)
 
 
 def test_plain_and_streamed_agree(client):
@@ -246,42 +233,3 @@ def test_claude_code_shaped_request(base_url, client):
                                            tools=body["tools"], thinking=body["thinking"]).input_tokens
     usage = frames[-2][1]["usage"]
     assert counted == usage["input_tokens"] + usage["cache_read_input_tokens"]
-
-
-@pytest.mark.parametrize("body,param", [
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64",
-      "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text",
-      "media_type": "text/plain", "data": "x"}}]}]}, "messages[0].content[0].type"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
-    ({"temperature": 5}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"stop_sequences": [""]}, "stop_sequences[0]"),
-    ({"stop_sequences": "END"}, "stop_sequences"),
-    ({"n": 2}, "n"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),
-    ({"thinking": {"type": "maybe"}}, "thinking.type"),
-    ({"stream": "yes"}, "stream"),
-])
-def test_every_400_in_anthropic_shape(base_url, body, param):
-    full = {"model": "m", "max_tokens": 5, "messages": ASK, **body}
-    with httpx.Client(timeout=60) as http:
-        r = http.post(base_url + "/v1/messages", json=full)
-    assert r.status_code == 400, r.text
-    err = r.json()
-    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
-    assert param in err["error"]["message"]
-
-
-def test_400_through_the_sdk_and_prompt_too_long(client):
-    with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
-    assert "messages[0].content[0].type" in str(info.value)
-    with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": "word " * 5000}])
-    assert "too many" in str(info.value)

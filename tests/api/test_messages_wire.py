@@ -14,13 +14,14 @@ import asyncio
 import orjson
 import pytest
 
-from mashbox.api import common, messages
+from mashbox.api import common, message_answer, messages
 from mashbox.api.app import load_text
 from mashbox.config import EngineConfig, ServerConfig, StepEvent, Timings
 from mashbox.engine.client import NotReady, QueueFull
 from mashbox.http.request import Request
 from mashbox.http.response import HTTPError
 
+import harness
 from api_scripted_engine import ScriptedEngine
 
 
@@ -81,19 +82,7 @@ async def stream_bytes(stream) -> bytes:
     return b"".join(out)
 
 
-def sse_frames(raw: bytes) -> list[tuple[str, dict]]:
-    """Split the bytes into (event name, data) frames; every frame must be exactly
-    `event: NAME\\ndata: JSON\\n\\n` with the name repeated as the data's type."""
-    assert raw.endswith(b"\n\n")
-    frames = []
-    for block in raw[:-2].split(b"\n\n"):
-        lines = block.split(b"\n")
-        assert len(lines) == 2 and lines[0].startswith(b"event: ") and lines[1].startswith(b"data: "), block
-        name = lines[0][len(b"event: "):].decode()
-        data = orjson.loads(lines[1][len(b"data: "):])
-        assert data["type"] == name
-        frames.append((name, data))
-    return frames
+sse_frames = harness.sse_events  # strict `event: NAME\ndata: JSON` frames, name == data's type
 
 
 def stream_body(**extra) -> dict:
@@ -129,22 +118,15 @@ def test_stream_exact_sequence_with_stop_sequence(text_layer):
     assert frames[6][1]["usage"]["output_tokens"] == 2
 
 
-def test_message_start_goes_out_before_the_engine_answers_and_pings_keep_it_alive(text_layer, monkeypatch):
-    monkeypatch.setattr(messages, "PING_S", 0.1)
-    engine = replay_engine([0.55, {"started": True}, finish("stop", "Hi", n=1)])
+def test_message_start_goes_out_before_a_silent_engine_answers_and_pings_keep_it_alive(text_layer, monkeypatch):
+    """An engine silent for longer than PING_S: message_start does not wait for it (its
+    usage counts no cache hit, though the engine's late answer would say 3), then pings."""
+    monkeypatch.setattr(message_answer, "PING_S", 0.1)
+    engine = replay_engine([0.55, {"started": True, "cached_tokens": 3}, finish("stop", "Hi", n=1, cached=3)])
     api = make_api(text_layer, engine)
-
-    async def go():
-        resp = await handler(api, "/v1/messages")(Request("POST", "/v1/messages", "", {}, orjson.dumps(stream_body())))
-        it = resp.events.__aiter__()
-        first = await asyncio.wait_for(it.__anext__(), 0.05)  # no waiting on the engine
-        rest = []
-        async for chunk in it:
-            rest.append(chunk)
-        return first + b"".join(rest)
-
-    frames = sse_frames(asyncio.run(go()))
+    frames = run_stream(api, stream_body())
     assert frames[0][0] == "message_start"
+    assert frames[0][1]["message"]["usage"]["cache_read_input_tokens"] == 0
     names = [n for n, _ in frames]
     assert names[1] == "ping"
     # 0.55 s of silence at one ping per 0.1 s: several pings before the first block.
@@ -265,3 +247,45 @@ def test_thinking_text_and_tool_call_through_the_real_parser(thinking_layer):
     assert [orjson.loads(a["delta"]["partial_json"]) for a in args] == [{"city": "Paris"}]
     assert frames[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     assert engine.submitted[0].prompt_ids  # the prompt rendered with thinking on
+
+
+def test_usage_agrees_within_one_stream(text_layer):
+    """message_start and message_delta say the same input_tokens / cache_read_input_tokens:
+    message_start waits for the engine's first answer, which carries the prefix-cache hit."""
+    engine = replay_engine([{"started": True, "cached_tokens": 5}, {"token_ids": (5,), "text": "Hi"},
+                            {**finish("stop", n=1, cached=5), "cached_tokens": 5}])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    n_prompt = len(engine.submitted[0].prompt_ids)
+    start = frames[0][1]["message"]["usage"]
+    delta = frames[-2][1]["usage"]
+    assert frames[0][0] == "message_start" and frames[-2][0] == "message_delta"
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (n_prompt - 5, 5)
+    assert (delta["input_tokens"], delta["cache_read_input_tokens"]) == (n_prompt - 5, 5)
+    assert delta["output_tokens"] == 1
+
+
+def test_usage_agrees_when_message_start_could_not_wait(text_layer, monkeypatch):
+    """An engine silent for PING_S: message_start goes out without the cache hit, and
+    message_delta repeats the input counts it said."""
+    monkeypatch.setattr(message_answer, "PING_S", 0.1)
+    engine = replay_engine([0.3, {"started": True, "cached_tokens": 5}, {"token_ids": (5,), "text": "Hi"},
+                            {**finish("stop", n=1, cached=5), "cached_tokens": 5}])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    n_prompt = len(engine.submitted[0].prompt_ids)
+    start = frames[0][1]["message"]["usage"]
+    delta = frames[-2][1]["usage"]
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (n_prompt, 0)
+    assert (delta["input_tokens"], delta["cache_read_input_tokens"]) == (n_prompt, 0)
+
+
+def test_a_stream_that_fails_before_the_engine_answered_still_opens_with_message_start(text_layer):
+    """The worker fails the request and its retry before any event: the stream is
+    message_start, ping, error, as any other failed stream begins."""
+    engine = replay_engine([{"finish_reason": "error", "error": "worker lost"}])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    assert [n for n, _ in frames] == ["message_start", "ping", "error"]
+    assert frames[-1][1]["request_id"] == frames[0][1]["message"]["id"]
+    assert len(engine.submitted) == 2  # the one retry

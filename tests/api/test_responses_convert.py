@@ -11,7 +11,9 @@ import pytest
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 
+from mashbox.api import response_answer as ra
 from mashbox.api import responses as r
+from mashbox.api.prompt import place_system
 from mashbox.api.generation import Piece
 from mashbox.http.response import HTTPError
 
@@ -74,7 +76,8 @@ def test_items_become_turns():
         {"type": "compaction_summary", "encrypted_content": "zz"},  # unknown: skipped
         {"type": "message", "role": "developer", "content": "sandbox changed"},  # later: stays in place
     ])
-    assert c.messages == [
+    assert c.messages[-1] == {"role": "system", "content": "sandbox changed"}
+    assert place_system(c.messages) == [
         {"role": "system", "content": "rules"},
         {"role": "user", "content": "fix it"},
         {"role": "assistant", "content": "", "reasoning_content": "look first", "tool_calls": [
@@ -188,13 +191,13 @@ PIECES = [
 
 
 def run_pieces(pieces, finish="stop"):
-    rs = r.ResponseStream("resp_test", "smollm2", 1700000000, dict(ECHO), REFS)
+    rs = ra.ResponseStream("resp_test", "smollm2", 1700000000, dict(ECHO), REFS)
     events = rs.start()
     for p in pieces:
         events.extend(rs.feed(p))
-    usage = r.usage_block(20, 5, 30, 4)
+    usage = ra.usage_block(20, 5, 30, 4)
     events.extend(rs.finish(finish, usage))
-    rs2 = r.ResponseStream("resp_test", "smollm2", 1700000000, dict(ECHO), REFS)
+    rs2 = ra.ResponseStream("resp_test", "smollm2", 1700000000, dict(ECHO), REFS)
     for p in pieces:
         rs2.feed(p)
     return events, rs2.final(finish, usage)
@@ -279,7 +282,7 @@ def test_incomplete_when_length():
 
 
 def test_failure_events():
-    rs = r.ResponseStream("resp_f", "m", 1, dict(ECHO), REFS)
+    rs = ra.ResponseStream("resp_f", "m", 1, dict(ECHO), REFS)
     events = rs.start() + rs.feed(Piece("text", "par")) + rs.fail("device lost")
     assert [n for n, _ in events][-2:] == ["error", "response.failed"]
     assert events[-1][1]["response"]["status"] == "failed"
@@ -289,9 +292,9 @@ def test_failure_events():
 
 
 def test_custom_input_rules():
-    assert r.custom_input('{"input": "raw"}') == "raw"
-    assert r.custom_input("not json") == "not json"
-    assert r.custom_input('{"patch": "x"}') == '{"patch": "x"}'
+    assert ra.custom_input('{"input": "raw"}') == "raw"
+    assert ra.custom_input("not json") == "not json"
+    assert ra.custom_input('{"patch": "x"}') == '{"patch": "x"}'
 
 
 def test_whitespace_alone_opens_no_message_item():

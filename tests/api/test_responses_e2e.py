@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 from openai.types.responses import ResponseCustomToolCall, ResponseFunctionToolCall
+
+import harness
 
 pytestmark = pytest.mark.slow
 
@@ -24,20 +24,7 @@ def client(openai_client):
 
 
 def raw_stream(base_url: str, body: dict, headers: dict = None) -> list[tuple[str, dict]]:
-    with httpx.Client(timeout=300) as http:
-        resp = http.post(base_url + "/v1/responses", json=body, headers=headers or {})
-        assert resp.status_code == 200, resp.text
-        raw = resp.content
-    frames = []
-    assert raw.endswith(b"\n\n")
-    for block in raw[:-2].split(b"\n\n"):
-        if block.startswith(b":"):
-            continue
-        name, data = block.split(b"\n")
-        assert name.startswith(b"event: ") and data.startswith(b"data: ")
-        payload = json.loads(data[6:])
-        assert payload["type"] == name[7:].decode()
-        frames.append((payload["type"], payload))
+    frames = harness.raw_stream(base_url, body, "/v1/responses", headers)
     assert [d["sequence_number"] for _, d in frames] == list(range(1, len(frames) + 1))
     return frames
 
@@ -217,38 +204,3 @@ def test_codex_forced_custom_and_namespace_calls(client, model_id):
     resp = client.responses.create(model=model_id, **{**body, "input": history, "tool_choice": "auto",
                                                       "max_output_tokens": 8})
     assert resp.status in ("completed", "incomplete")
-
-
-@pytest.mark.parametrize("extra,param", [
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
-     "input[0].content[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
-     "input[0].content[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
-     "input[0].content[0].type"),
-    ({"temperature": 9}, "temperature"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice.name"),
-    ({"n": 3}, "n"),
-    ({"stop": [""]}, "stop[0]"),
-    ({"input": 7}, "input"),
-])
-def test_every_400_in_openai_shape(base_url, extra, param):
-    body = {"input": "hi", "max_output_tokens": 5, **extra}
-    with httpx.Client(timeout=60) as http:
-        r = http.post(base_url + "/v1/responses", json=body)
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["param"] == param and param in err["message"]
-
-
-def test_model_not_found_and_sdk_error(client):
-    with pytest.raises(openai.NotFoundError):
-        client.responses.create(model="gpt-5", input="hi")
-    with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=client.models.list().data[0].id, input="hi", top_logprobs=2)
-    assert "top_logprobs" in str(info.value)

@@ -63,6 +63,17 @@ def test_mid_stream_error_then_failed(text_layer):
     assert failed["status"] == "failed" and failed["id"] == frames[0][1]["response"]["id"]
 
 
+def test_mid_stream_error_event_carries_the_request_id(text_layer):
+    """The `error` event names the response it ended, as Chat's and Messages' do."""
+    engine = replay_engine([{"started": True}, {"token_ids": (5,), "text": "Mer"},
+                             {"finish_reason": "error", "error": "device lost"}])
+    api = make_api(text_layer, engine)
+    frames = run(api, {"input": "x", "stream": True})
+    name, error = frames[-2]
+    assert name == "error" and error["request_id"] == frames[0][1]["response"]["id"]
+    assert error["request_id"] == engine.submitted[0].id
+
+
 def test_non_streamed_and_echo(text_layer):
     engine = replay_engine([{"started": True, "cached_tokens": 3}, finish("stop", "Hi.", n=2, prompt=20, cached=3)])
     api = make_api(text_layer, engine)

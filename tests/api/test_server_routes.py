@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -35,10 +36,30 @@ class TestRealServer:
             assert r.status_code == 200
             h = r.json()
             assert h["status"] == "ok"
-            assert h["waiting"] >= 0 and h["live_rows"] >= 0
+            assert type(h["waiting"]) is int and type(h["live_rows"]) is int
             assert isinstance(h["worker_pid"], int) and h["worker_restarts"] == 0
         r = httpx.head(base_url + "/v1/health")
         assert r.status_code == 200 and r.content == b""
+
+    def test_health_counts_a_running_request_and_its_end(self, base_url, model_id):
+        """live_rows counts the request being decoded; once its client goes away, the slot is
+        free again (polled until it is, with a deadline)."""
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Count to fifty."}],
+                "max_tokens": 200, "stream": True, "temperature": 0}
+        with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while '"content"' not in next(lines):  # the model is decoding: the request holds a slot
+                pass
+            h = httpx.get(base_url + "/health").json()
+            assert h["live_rows"] + h["waiting"] >= 1, h
+        deadline = time.monotonic() + 30
+        while True:
+            h = httpx.get(base_url + "/health").json()
+            if h["live_rows"] == 0 and h["waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, f"the cancelled request still holds its slot: {h}"
+            time.sleep(0.05)
 
     def test_models(self, base_url, model_id):
         data = httpx.get(base_url + "/v1/models").json()
