@@ -123,9 +123,7 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
         nonlocal exit_code
         try:
             await engine.start()
-            wait_ready = getattr(engine, "wait_ready", None)
-            if wait_ready is not None:
-                await wait_ready()
+            await engine.wait_ready()
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -2,8 +2,8 @@
 streaming). The request converter is here; the answer writer is chat_answer.ChunkWriter.
 
 Rules:
-- Request -> `Conversation`: system / developer messages stay where they stand
-  (prompt.place_system: the one rule for every API); content is a string, null or text
+- Request -> `Conversation`: system / developer messages join the system prompt, later
+  ones too, as the spec says (prompt.place_system's "join"); content is a string, null or text
   parts (`text`, and `refusal` on assistant turns); image_url / input_audio / file
   parts are 400 naming the part's type (text-only model). Assistant `tool_calls` carry
   arguments as JSON text; they are parsed into objects for the template (text that is
@@ -229,7 +229,7 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     tools = to_tools(body.get("tools"))
     choice = to_tool_choice(body.get("tool_choice"), tools)
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
-                        enable_thinking=read_enable_thinking(body))
+                        enable_thinking=read_enable_thinking(body), later_system="join")
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
     return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage)
 

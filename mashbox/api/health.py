@@ -27,7 +27,7 @@ UI_INDEX = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def health_json(api: ApiContext) -> dict:
     engine = api.engine
-    stats = engine.stats() if hasattr(engine, "stats") else {}
+    stats = engine.stats()
     ready = api.ready
     body = {
         "status": "ok" if ready else "loading",
@@ -44,10 +44,10 @@ def health_json(api: ApiContext) -> dict:
         "certification": "uncertified",
         "compiles_after_ready": stats.get("compiles_after_ready") if ready else None,
         "routed_experts": None,
-        "worker_pid": stats.get("worker_pid", getattr(engine, "worker_pid", None)),
+        "worker_pid": stats.get("worker_pid"),
         "worker_restarts": stats.get("worker_restarts", 0),
     }
-    error = getattr(engine, "error", None)
+    error = engine.error
     if error:
         body["error"] = error  # the worker could not load the model: say why
     return body

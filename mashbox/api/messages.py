@@ -18,7 +18,7 @@ Rules:
 - Tools with a `type` other than "custom" are Anthropic server tools (web search, code
   execution, ...): mashbox cannot run them, so they are skipped, not refused.
 - A `role: system` message inside `messages` stays a system message at its place;
-  prompt.place_system decides what that means (the one rule for every API).
+  prompt.place_system decides what that means (Messages and Responses keep a later one in place).
 - thinking: enabled / adaptive -> enable_thinking true; disabled or absent -> false
   (absent means no thinking in the Messages API).
 - The model named in the request is echoed in the answer (any model name is accepted;

@@ -8,15 +8,18 @@ Rules:
      "tool_call_id": str, "name": str, "reasoning_content": str}
   and HF-style tools `{"type": "function", "function": {"name", "description",
   "parameters"}}`.
-- System text, one rule for every API (`place_system`): the system / developer messages
+- System text, one rule in one place (`place_system`): the system / developer messages
   before the first other message are joined (in order, blank line between, empty ones
   dropped) into one system message at the front, since templates expect at most one,
-  first. One that comes later stays where it stands, as user text in
-  <system-reminder> tags (added to the user message it follows, else a user message of
-  its own). Why not move it to the front: agents add such notes as a conversation
-  grows, and moving one would change the prompt's first tokens, so the prefix cache
-  could serve none of a long conversation again. Converters leave system messages
-  where the client put them; this is the only place that moves or rewrites them.
+  first. A later one is placed by the API's own contract (`Conversation.later_system`):
+  Chat's spec says system and developer messages join the system prompt, so there a
+  later one joins it too ("join"); on Messages and Responses a later one is a note at
+  that point of the conversation (Claude Code's mid-conversation system messages), kept
+  where it stands as user text in <system-reminder> tags ("remind": added to the user
+  message it follows, else a user message of its own), so the prompt's first tokens, and
+  with them the prefix cache of a long conversation, do not change turn to turn.
+  Converters leave system messages where the client put them; this is the only place
+  that moves or rewrites them.
 - tool_choice: none renders no tools and parses none; auto renders them; required and
   a named function also start the assistant turn with the opening of a call
   (`<tool_call>\n` / `<tool_call>\n{"name": "NAME", "arguments": `), so even a small
@@ -67,6 +70,7 @@ class Conversation:
     tools: list = field(default_factory=list)  # HF-style function tools
     tool_choice: ToolChoice = ToolChoice()
     enable_thinking: Optional[bool] = None  # None = the template's default
+    later_system: str = "remind"  # a system message after the first turn: "join" | "remind"
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,14 @@ class Prompt:
 
 
 SYSTEM_ROLES = ("system", "developer")
+LATER_SYSTEM = ("join", "remind")
 
 
-def place_system(messages: list) -> list:
-    """Apply the system rule (module rules) to a conversation's messages."""
+def place_system(messages: list, later: str = "remind") -> list:
+    """Apply the system rule (module rules) to a conversation's messages; `later` is
+    "join" or "remind" (what a system message after the first turn becomes)."""
+    if later not in LATER_SYSTEM:
+        raise ValueError(f"later system rule {later!r}")
     leading: list[str] = []
     out: list[dict] = []
     for m in messages:
@@ -99,7 +107,7 @@ def place_system(messages: list) -> list:
             out.append(m)
             continue
         text = m.get("content") or ""
-        if not out:
+        if not out or later == "join":
             if text:
                 leading.append(text)
             continue
@@ -162,11 +170,11 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     token, so the opening is that id followed by the rest as continuation text. The
     client's part (a tool name) is always plain text.
     """
-    messages = place_system(conv.messages)
+    messages = place_system(conv.messages, conv.later_system)
     use_tools = bool(conv.tools) and conv.tool_choice.mode != "none"
     tools = conv.tools if use_tools else None
     forced = forced_opening(conv.tool_choice, tool_names(conv.tools)) if use_tools else ""
-    special = getattr(api.tokenizer, "special_tokens", {}) or {}
+    special = api.tokenizer.special_tokens
     if forced and TOOL_CALL_OPEN in special:
         built = _build(api, messages, tools, conv)
         ids = list(built.ids) + api.tokenizer.encode_marked(
@@ -232,7 +240,7 @@ def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) 
         max_tokens=fitted,
         forced_text=forced,
         parse_tools=use_tools,
-        parse_reasoning=bool(getattr(api.template, "reasoning", False)),
+        parse_reasoning=api.template.reasoning,
         starts_in_reasoning=in_reasoning,
         tool_names=tool_names(conv.tools) if use_tools else (),
     )
@@ -248,8 +256,8 @@ def text_prompt(api: ApiContext, text: str, max_tokens: Optional[int], param: st
     tok = api.tokenizer
     refuse_far_too_long(api, len(text), param)
     ids = list(tok.encode(text))
-    bos = getattr(tok, "bos_id", None)
-    if getattr(tok, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
+    bos = tok.bos_id
+    if tok.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)
     if not ids:
         raise bad_request("prompt must not be empty.", param)

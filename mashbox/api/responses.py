@@ -8,7 +8,7 @@ Rules:
   local_shell_call(_output), reasoning. Assistant-side items that follow each other
   (reasoning, assistant message, calls) form one assistant turn; outputs become tool
   messages. A system / developer message stays a system message at its place
-  (prompt.place_system: the one rule for every API). Image, audio and file parts are a
+  (prompt.place_system's "remind": a later one stays in place). Image, audio and file parts are a
   400 naming the part (text-only model). Other item types carry nothing a text model can
   use and are skipped (logged), except item_reference: nothing is stored here to resolve
   it, so it is a 400.

@@ -365,8 +365,8 @@ def test_sdk_stream_accumulator_builds_the_typed_completion(app, script):
 
 
 def test_system_messages_follow_the_one_rule(app, engine, default_model_path):
-    """Leading system / developer messages join the system prompt; a later one stays in
-    place as a <system-reminder> note (prompt.place_system), as on /v1/messages."""
+    """System / developer messages join the system prompt, a later one too (the spec's
+    rule for Chat; prompt.place_system's "join"), in order."""
     from mashbox.text.tokenizer import load_tokenizer
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Use French."},
@@ -375,5 +375,5 @@ def test_system_messages_follow_the_one_rule(app, engine, default_model_path):
     assert post(app, {"messages": messages}).status_code == 200
     text = load_tokenizer(default_model_path).decode(engine.submitted[-1].prompt_ids)
     # (decoded without the special tokens: <|im_start|> / <|im_end|> are not in the text)
-    assert text == ("system\nBe brief.\n\nUse French.\nuser\nHi\nassistant\nSalut\n"
-                    "user\n<system-reminder>\nThe user is tired.\n</system-reminder>\nuser\nBye\nassistant\n")
+    assert text == ("system\nBe brief.\n\nUse French.\n\nThe user is tired.\nuser\nHi\nassistant\nSalut\n"
+                    "user\nBye\nassistant\n")
