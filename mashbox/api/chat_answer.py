@@ -66,11 +66,26 @@ def completion_json(cid: str, created: int, model: str, result: Result) -> dict:
     }
 
 
-class ChunkWriter:
-    """The pipeline.Writer of a Chat answer: chunk frames streamed, the completion whole."""
+class OpenAIWriter:
+    """What the Chat and Completions writers share: no keep-alive frames, no start wait, a
+    failure as `event: error` then [DONE], and the whole answer built from the result."""
 
     heartbeat_s: Optional[float] = None
     start_waits_for_engine = False
+    id: str
+
+    def fail_frames(self, message: str) -> list[bytes]:
+        return [stream_error(message, self.id), sse.DONE]
+
+    def keepalive_frames(self) -> list[bytes]:
+        return []
+
+    def collect(self, piece: Piece) -> None:
+        pass  # the whole answer is built from the result
+
+
+class ChunkWriter(OpenAIWriter):
+    """The pipeline.Writer of a Chat answer: chunk frames streamed, the completion whole."""
 
     def __init__(self, cid: str, created: int, model: str, include_usage: bool = False):
         self.id = cid
@@ -144,15 +159,6 @@ class ChunkWriter:
             frames.append(self.usage(result))
         frames.append(sse.DONE)
         return frames
-
-    def fail_frames(self, message: str) -> list[bytes]:
-        return [stream_error(message, self.id), sse.DONE]
-
-    def keepalive_frames(self) -> list[bytes]:
-        return []
-
-    def collect(self, piece: Piece) -> None:
-        pass  # the whole completion is built from the result
 
     def whole(self, result: Result) -> dict:
         return completion_json(self.id, self.created, self.model, result)

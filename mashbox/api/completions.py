@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from mashbox.api import common, pipeline
-from mashbox.api.chat_answer import stream_error
+from mashbox.api.chat_answer import OpenAIWriter
 from mashbox.api.common import OPENAI, ApiContext, bad_request
 from mashbox.api.generation import Piece, Result
 from mashbox.api.pipeline import ApiRequest
@@ -64,11 +64,8 @@ def completion_json(cid: str, created: int, model: str, text: str, finish, seed:
     return obj
 
 
-class CompletionWriter:
+class CompletionWriter(OpenAIWriter):
     """The pipeline.Writer of a Completions answer: one text_completion per step's text."""
-
-    heartbeat_s: Optional[float] = None
-    start_waits_for_engine = False
 
     def __init__(self, cid: str, created: int, model: str, seed: int):
         self.id, self.created, self.model, self.seed = cid, created, model, seed
@@ -85,15 +82,6 @@ class CompletionWriter:
 
     def end_frames(self, result: Result) -> list[bytes]:
         return [sse.data(self._object("", finish_reason(result))), sse.DONE]
-
-    def fail_frames(self, message: str) -> list[bytes]:
-        return [stream_error(message, self.id), sse.DONE]
-
-    def keepalive_frames(self) -> list[bytes]:
-        return []
-
-    def collect(self, piece: Piece) -> None:
-        pass  # the whole completion is built from the result
 
     def whole(self, result: Result) -> dict:
         return self._object(result.text, finish_reason(result), result)
