@@ -270,16 +270,15 @@ class Decoder:
         order, so the same bits; x [T, hidden] is updated in place."""
         c, own = self.config, plan.own
         T = int(x.shape[0])
-        qkv_n = c.q_size + 2 * c.kv_size
-        scratch = torch.empty(T * (c.hidden_size + qkv_n + c.q_size + 3 * c.intermediate_size),
-                              dtype=torch.bfloat16)
+        scratch = torch.empty(native.bf16_decode_scratch(T, c.hidden_size, c.num_heads, c.num_kv_heads,
+                                                         c.head_dim, c.intermediate_size), dtype=torch.bfloat16)
         positions = positions.contiguous()
         native.bf16_decode_layers_ptr(
             self._c_layers, len(self.layers), c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, c.rms_norm_eps, x.data_ptr(), T, positions.data_ptr(), own.rows.data_ptr(),
             own.slots.data_ptr(), own.ends.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
             int(rope.cos.shape[0]), cache.k.data_ptr(), cache.v.data_ptr(), cache.k.stride(0), cache.slots,
-            cache.capacity, own.window, own.scale, scratch.data_ptr(), self.layers[0].qkv.kernel,
+            cache.capacity, own.window, own.scale, scratch.data_ptr(), scratch.numel(), self.layers[0].qkv.kernel,
             linear.parallel(), torch.get_num_threads())
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
