@@ -1,13 +1,14 @@
 /* A decode step's decoder layers in one call: the same kernels, in the same order, that
- * mashbox/model/decoder.py calls one by one from Python on its own-kernel path.
+ * mashbox/model/layer_loop.py's PythonLayers calls one by one on csrc's path.
  *
  * Why it exists: a batch-1 decode step of the default model is 30 layers of 10 small
  * calls each; from Python every call costs a few microseconds of its own (tensor
  * allocation, argument conversion, dispatch), which adds up to about a millisecond per
  * step, and the memory stream of the weights stops while Python runs. Here the layers
- * run back to back. Nothing is computed here but by the public functions below, so the
- * Python path is this file's reference: tests/model/test_decoder_invariance.py checks
- * that the two give the same bits.
+ * run back to back. Nothing is computed here but by the public functions below, so
+ * its references are mashbox/native_ref.py's bf16_decode_layers (the same calls by the
+ * numpy twins: tests/test_native_layers.py) and the decoder's Python loop
+ * (tests/model/test_decoder_invariance.py): both give the same bits.
  *
  * Per layer, for the t rows of x (the residual stream, updated in place):
  *   h = rmsnorm(x, input_norm); qkv = h . qkv^T (+ bias); rope of q, k and the K/V cache

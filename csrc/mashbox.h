@@ -9,8 +9,9 @@
  *   tests/test_native_*.py check that both give the same bits.
  * - Floating point must follow IEEE double/float exactly: build without -ffast-math and
  *   with -ffp-contract=off (csrc/build.py), so no FMA changes a rounding.
- * - Only mashbox/native.py calls these (the linear layers: mashbox/model/linear.py,
- *   through native.py's pointer-level wrappers, since their buffers are torch tensors).
+ * - Only mashbox/native.py calls these (the bfloat16 kernels: mashbox/model/csrc.py,
+ *   which checks the torch tensors before it hands native.py's pointer-level wrappers
+ *   their addresses and lengths).
  */
 #ifndef MASHBOX_H
 #define MASHBOX_H
