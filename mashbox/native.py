@@ -4,6 +4,10 @@ Same functions and classes as `mashbox.native_ref`, whose docstring states the r
 When the extension is missing (not built), the reference is used instead and a warning
 is logged; `NATIVE` says which one is loaded (the tests assert it is the C one).
 
+Over ~450 lines on purpose: one module wraps all of csrc (STYLE.md habit 8), each C
+function with its checked array-level wrapper and, for the bfloat16 kernels, its
+address-level one (called by mashbox/model/csrc.py only).
+
 The wrappers check shapes and dtypes (ValueError naming the argument), hand numpy
 buffers to C without copying where they already have the right layout, and keep one
 scratch buffer per vocab size per thread, so nothing is allocated per call on the hot
