@@ -177,12 +177,14 @@ def main() -> int:
         # rebuild the runner's decoder in place with the asked-for linears
         from mashbox.model import loader
         from mashbox.model.decoder import Decoder
+        from mashbox.model.kernels import Kernels
 
         del r.decoder
         w = loader.load(path, r.dtype, r.device)
         r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights,
-                            own_kernel=args.linears == "own", own_attention=args.decode != "sdpa",
-                            own_layers=args.decode == "c")
+                            kernels=Kernels(linears="auto" if args.linears == "own" else "onednn",
+                                            attention="sdpa" if args.decode == "sdpa" else "auto",
+                                            layers="auto" if args.decode == "c" else "python"))
     ForwardTimer(r.decoder)
     decode_rate(engine, 1, 8, "warm")  # warm-up: first-call costs, caches
     rates, steps, fwd = {1: 0.0, 4: 0.0, 8: 0.0}, {}, {}
@@ -210,9 +212,8 @@ def main() -> int:
     print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
           f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step "
           f"(dense; weights {args.weights}; linears "
-          f"{'own kernel' if getattr(r.decoder, 'own_kernel', False) else 'oneDNN / torch'}; decode "
-          f"{'layers in C' if r.decoder._c_layers is not None else 'layer loop in Python'}, attention "
-          f"{'csrc' if r.decoder.own_attention else 'SDPA'}); "
+          f"{r.decoder.kernels.linears}; decode layers {r.decoder.kernels.layers}, attention "
+          f"{r.decoder.kernels.attention}; kernel {r.decoder.kernels.kernel}); "
           f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"copy bandwidth {bw / 1e9:.2f} GB/s (read + write) -> bound {bound:.1f} steps/s; "

@@ -1,13 +1,14 @@
 /* A decode step's decoder layers in one call: the same kernels, in the same order, that
- * mashbox/model/decoder.py calls one by one from Python on its own-kernel path.
+ * mashbox/model/layer_loop.py's PythonLayers calls one by one on csrc's path.
  *
  * Why it exists: a batch-1 decode step of the default model is 30 layers of 10 small
  * calls each; from Python every call costs a few microseconds of its own (tensor
  * allocation, argument conversion, dispatch), which adds up to about a millisecond per
  * step, and the memory stream of the weights stops while Python runs. Here the layers
- * run back to back. Nothing is computed here but by the public functions below, so the
- * Python path is this file's reference: tests/model/test_decoder_invariance.py checks
- * that the two give the same bits.
+ * run back to back. Nothing is computed here but by the public functions below, so
+ * its references are mashbox/native_ref.py's bf16_decode_layers (the same calls by the
+ * numpy twins: tests/test_native_layers.py) and the decoder's Python loop
+ * (tests/model/test_decoder_invariance.py): both give the same bits.
  *
  * Per layer, for the t rows of x (the residual stream, updated in place):
  *   h = rmsnorm(x, input_norm); qkv = h . qkv^T (+ bias); rope of q, k and the K/V cache
@@ -16,6 +17,16 @@
  */
 #include "mashbox.h"
 
+int64_t mb_bf16_decode_scratch(int32_t t, int32_t hidden, int32_t heads, int32_t kv_heads,
+                               int32_t head_dim, int32_t intermediate) {
+    if (t < 1 || hidden < 1 || heads < 1 || kv_heads < 1 || head_dim < 1 || intermediate < 1)
+        return 0;
+    /* h [t, hidden], qkv [t, qkv_n], attn [t, q_size], gu [t, 2 I], act [t, I] */
+    int64_t per_row = (int64_t)hidden + (int64_t)(heads + 2 * kv_heads) * head_dim +
+                      (int64_t)heads * head_dim + 3 * (int64_t)intermediate;
+    return (int64_t)t * per_row;
+}
+
 int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32_t hidden,
                           int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t intermediate,
                           float eps, uint16_t *x, int32_t t, const int64_t *positions,
@@ -23,12 +34,15 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
                           const uint16_t *cos, const uint16_t *sin, int32_t table_rows,
                           uint16_t *k_cache, uint16_t *v_cache, int64_t layer_stride,
                           int32_t n_slots, int32_t capacity, int32_t window, float scale,
-                          uint16_t *scratch, int32_t kernel, void *parallel, int32_t threads) {
+                          uint16_t *scratch, int64_t scratch_len, int32_t kernel, void *parallel,
+                          int32_t threads) {
     if (n_layers < 0 || t < 1 || hidden < 2 || heads < 1 || kv_heads < 1 || head_dim < 2 ||
         intermediate < 1 || layer_stride < 1)
         return MB_EINVAL;
+    if (scratch_len < mb_bf16_decode_scratch(t, hidden, heads, kv_heads, head_dim, intermediate))
+        return MB_ESCRATCH;
     int32_t q_size = heads * head_dim, qkv_n = (heads + 2 * kv_heads) * head_dim;
-    /* scratch: h [t, hidden], qkv [t, qkv_n], attn [t, q_size], gu [t, 2 I], act [t, I] */
+    /* scratch, in mb_bf16_decode_scratch's order: h, qkv, attn, gu, act */
     uint16_t *h = scratch, *qkv = h + (size_t)t * hidden, *attn = qkv + (size_t)t * qkv_n;
     uint16_t *gu = attn + (size_t)t * q_size, *act = gu + (size_t)t * 2 * intermediate;
     for (int32_t li = 0; li < n_layers; li++) {

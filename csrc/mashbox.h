@@ -9,8 +9,9 @@
  *   tests/test_native_*.py check that both give the same bits.
  * - Floating point must follow IEEE double/float exactly: build without -ffast-math and
  *   with -ffp-contract=off (csrc/build.py), so no FMA changes a rounding.
- * - Only mashbox/native.py calls these (the linear layers: mashbox/model/linear.py,
- *   through native.py's pointer-level wrappers, since their buffers are torch tensors).
+ * - Only mashbox/native.py calls these (the bfloat16 kernels: mashbox/model/csrc.py,
+ *   which checks the torch tensors before it hands native.py's pointer-level wrappers
+ *   their addresses and lengths).
  */
 #ifndef MASHBOX_H
 #define MASHBOX_H
@@ -162,11 +163,17 @@ struct mb_layer {
     const uint16_t *down;
 };
 
+/* bfloat16 elements of scratch mb_bf16_decode_layers needs for t rows:
+ * t * (hidden + (heads + 2 kv_heads + heads) * head_dim + 3 * intermediate); 0 for a
+ * size < 1. */
+int64_t mb_bf16_decode_scratch(int32_t t, int32_t hidden, int32_t heads, int32_t kv_heads,
+                               int32_t head_dim, int32_t intermediate);
+
 /* t decode rows (one token each) through n_layers Llama-style layers (csrc/layers.c lists
  * the calls), x [t, hidden] bfloat16 updated in place. positions, slots: each row's;
  * rows = 0 .. t-1 and ends = positions + 1 for the attention (mb_bf16_attention); the
  * caches of layer l start layer_stride elements after layer l - 1's; scratch holds
- * t * (hidden + (heads + 2 kv_heads + heads) * head_dim + 3 * intermediate) bfloat16.
+ * scratch_len bfloat16, MB_ESCRATCH when that is under mb_bf16_decode_scratch(t, ...).
  * The first failing call's status is returned (its checks run before it writes). */
 int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32_t hidden,
                           int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t intermediate,
@@ -175,6 +182,7 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
                           const uint16_t *cos, const uint16_t *sin, int32_t table_rows,
                           uint16_t *k_cache, uint16_t *v_cache, int64_t layer_stride,
                           int32_t n_slots, int32_t capacity, int32_t window, float scale,
-                          uint16_t *scratch, int32_t kernel, void *parallel, int32_t threads);
+                          uint16_t *scratch, int64_t scratch_len, int32_t kernel, void *parallel,
+                          int32_t threads);
 
 #endif /* MASHBOX_H */

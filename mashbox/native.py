@@ -7,6 +7,10 @@ is logged; `NATIVE` says which one is loaded (the tests assert it is the C one) 
 `MASHBOX_NATIVE=reference` (REFERENCE_ENV) asks for it: a server never falls back
 silently to the slow path.
 
+Over ~450 lines on purpose: one module wraps all of csrc (STYLE.md habit 8), each C
+function with its checked array-level wrapper and, for the bfloat16 kernels, its
+address-level one (called by mashbox/model/csrc.py only).
+
 The wrappers check shapes and dtypes (ValueError naming the argument), hand numpy
 buffers to C without copying where they already have the right layout, and keep one
 scratch buffer per vocab size per thread, so nothing is allocated per call on the hot
@@ -252,9 +256,11 @@ def longest_prefix(
     return int(slot[0]), int(blocks[0])
 
 
-# bfloat16 linear layers (csrc/linear.c). The pointer-level functions serve
-# mashbox/model/linear.py, whose buffers are torch tensors; bf16_linear is the
-# array-level twin of native_ref.bf16_linear.
+# bfloat16 kernels (csrc/linear.c, attention.c, layers.c). The *_ptr functions take
+# addresses and lengths and serve one caller, mashbox/model/csrc.py, which checks the
+# torch tensors (dtype, shape, strides, sizes) before it takes their addresses; the
+# array-level functions (bf16_linear, bf16_attention, ...) are the checked twins of
+# native_ref's, for the parity tests.
 KERNEL_PORTABLE, KERNEL_AVX512BF16 = 1, 2
 Y_BF16, Y_F32, Y_ADD_BF16 = 0, 1, 2  # what bf16_linear_ptr writes to y (csrc/mashbox.h)
 
@@ -407,17 +413,31 @@ def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
     return out
 
 
+LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # struct mb_layer's uint16_t * fields
+LAYER_BIASES = ("qkv_bias", "o_bias")  # its float * fields (0: none)
+
+
 def bf16_layers(layers: Sequence[dict[str, int]]):
     """A C array of struct mb_layer (csrc/mashbox.h) from one dict of addresses per layer
-    (keys: its fields; 0 for a missing bias). Keep it alive while mb_bf16_decode_layers
-    may run on it."""
+    (keys: its fields; 0 for a missing bias). The caller keeps the buffers those
+    addresses point into alive as long as the array: mashbox/model/csrc.py's LayerTable
+    owns both."""
     arr = _ffi.new("struct mb_layer[]", len(layers))
     for i, layer in enumerate(layers):
-        for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
+        for name in LAYER_WEIGHTS:
             setattr(arr[i], name, _ffi.cast("uint16_t *", layer[name]))
-        for name in ("qkv_bias", "o_bias"):
+        for name in LAYER_BIASES:
             setattr(arr[i], name, _ffi.cast("float *", layer.get(name, 0)))
     return arr
+
+
+def bf16_decode_scratch(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                        intermediate: int) -> int:
+    """bfloat16 elements of scratch mb_bf16_decode_layers needs for t rows (C states the
+    size; native_ref.bf16_decode_scratch is its twin)."""
+    if _lib is None:
+        return native_ref.bf16_decode_scratch(t, hidden, heads, kv_heads, head_dim, intermediate)
+    return int(_lib.mb_bf16_decode_scratch(t, hidden, heads, kv_heads, head_dim, intermediate))
 
 
 def bf16_decode_layers_ptr(layers, n_layers: int, hidden: int, heads: int, kv_heads: int,
@@ -425,15 +445,65 @@ def bf16_decode_layers_ptr(layers, n_layers: int, hidden: int, heads: int, kv_he
                            positions: int, rows: int, slots: int, ends: int, cos: int, sin: int,
                            table_rows: int, k_cache: int, v_cache: int, layer_stride: int,
                            n_slots: int, capacity: int, window: int, scale: float, scratch: int,
-                           kernel: int, parallel: int, threads: int) -> None:
-    """mb_bf16_decode_layers; layers from bf16_layers, the rest addresses; see csrc/mashbox.h."""
+                           scratch_len: int, kernel: int, parallel: int, threads: int) -> None:
+    """mb_bf16_decode_layers; layers from bf16_layers, the rest addresses, scratch_len
+    its bfloat16 elements (C checks it against mb_bf16_decode_scratch); see csrc/mashbox.h."""
     u16, i64 = "uint16_t *", "int64_t *"
     _check(_lib.mb_bf16_decode_layers(
         layers, n_layers, hidden, heads, kv_heads, head_dim, intermediate, eps, _ffi.cast(u16, x), t,
         _ffi.cast(i64, positions), _ffi.cast(i64, rows), _ffi.cast(i64, slots), _ffi.cast(i64, ends),
         _ffi.cast(u16, cos), _ffi.cast(u16, sin), table_rows, _ffi.cast(u16, k_cache),
         _ffi.cast(u16, v_cache), layer_stride, n_slots, capacity, window, scale, _ffi.cast(u16, scratch),
-        kernel, _ffi.cast("void *", parallel), threads), "bf16_decode_layers")
+        scratch_len, kernel, _ffi.cast("void *", parallel), threads), "bf16_decode_layers")
+
+
+def bf16_decode_layers(layers: Sequence[dict], heads: int, kv_heads: int, eps: float, x: np.ndarray,
+                       positions: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                       k_cache: np.ndarray, v_cache: np.ndarray, window: int, scale: float,
+                       kernel: int | None = None) -> None:
+    """native_ref.bf16_decode_layers through C, on the calling thread: the same layers
+    (plain uint16 weights, packed here), x uint16[t, hidden] and the caches uint16[layers,
+    n_slots, kv_heads, capacity, head_dim] (C-contiguous) changed in place."""
+    for name, a in (("x", x), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _array(a, np.uint16, name, 2 if name == "x" else 5, writable=True)
+    cos, sin = _array(cos, np.uint16, "cos", 2), _array(sin, np.uint16, "sin", 2)
+    positions, slots = _array(positions, np.int64, "positions", 1), _array(slots, np.int64, "slots", 1)
+    t, hidden = x.shape
+    if positions.shape != (t,) or slots.shape != (t,):
+        raise ValueError(f"positions and slots must have shape ({t},)")
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != len(layers):
+        raise ValueError(f"k_cache and v_cache must have shape (layers, ...) alike, got {k_cache.shape}, {v_cache.shape}")
+    if _lib is None:
+        native_ref.bf16_decode_layers(layers, heads, kv_heads, eps, x, positions, slots, cos, sin,
+                                      k_cache, v_cache, window, scale)
+        return
+    head_dim = cos.shape[1]
+    intermediate = layers[0]["down"].shape[1] if layers else 1
+    keep, entries = [], []  # keep: the packed weights and biases the C array points into
+    for layer in layers:
+        entry = {}
+        for name in LAYER_WEIGHTS:
+            a = _array(layer[name], np.uint16, name, 1 if name.endswith("norm") else 2)
+            a = _bf16_packed(a) if a.ndim == 2 else a
+            keep.append(a)
+            entry[name] = a.ctypes.data
+        for name in LAYER_BIASES:
+            if layer.get(name) is not None:
+                b = _array(layer[name], np.float32, name, 1)
+                keep.append(b)
+                entry[name] = b.ctypes.data
+        entries.append(entry)
+    arr = bf16_layers(entries)
+    ends = positions + 1
+    rows = np.arange(t, dtype=np.int64)
+    scratch = np.empty(bf16_decode_scratch(t, hidden, heads, kv_heads, head_dim, intermediate), np.uint16)
+    _, n_slots, _, capacity, _ = k_cache.shape
+    bf16_decode_layers_ptr(arr, len(layers), hidden, heads, kv_heads, head_dim, intermediate, eps,
+                           x.ctypes.data, t, positions.ctypes.data, rows.ctypes.data, slots.ctypes.data,
+                           ends.ctypes.data, cos.ctypes.data, sin.ctypes.data, cos.shape[0],
+                           k_cache.ctypes.data, v_cache.ctypes.data, k_cache[0].size, n_slots, capacity,
+                           window, scale, scratch.ctypes.data, scratch.size,
+                           bf16_kernel() if kernel is None else kernel, 0, 1)
 
 
 def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -448,3 +448,37 @@ def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
         d = np.float32(1.0) + e
         s = np.where(g >= np.float32(0.0), g / d, (g * e) / d)
         return f32_to_bf16(s * u)
+
+
+def bf16_decode_scratch(t: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                        intermediate: int) -> int:
+    """bfloat16 elements of mb_bf16_decode_layers' scratch for t rows: h [t, hidden],
+    qkv [t, (heads + 2 kv_heads) * head_dim], attn [t, heads * head_dim], gate|up
+    [t, 2 intermediate], act [t, intermediate]; 0 for a size < 1."""
+    if min(t, hidden, heads, kv_heads, head_dim, intermediate) < 1:
+        return 0
+    return t * (hidden + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate)
+
+
+def bf16_decode_layers(layers, heads: int, kv_heads: int, eps: float, x: np.ndarray,
+                       positions: np.ndarray, slots: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                       k_cache: np.ndarray, v_cache: np.ndarray, window: int, scale: float) -> None:
+    """As mb_bf16_decode_layers (csrc/layers.c lists the calls), by this module's own
+    functions: layers, one dict per layer of uint16 bfloat16 bits (input_norm, post_norm
+    [hidden]; qkv [(heads + 2 kv_heads) * head_dim, hidden], o [hidden, heads * head_dim],
+    gate_up [2 I, hidden], down [hidden, I]) and float32 qkv_bias / o_bias or None; x
+    uint16[t, hidden] and the caches uint16[layers, n_slots, kv_heads, capacity, head_dim]
+    changed in place; row i attends over keys [0, positions[i] + 1) of slots[i]."""
+    t = x.shape[0]
+    q_size = heads * cos.shape[1]
+    rows = np.arange(t, dtype=np.int64)
+    ends = np.asarray(positions, dtype=np.int64) + 1
+    for li, layer in enumerate(layers):
+        h = bf16_rmsnorm(x, layer["input_norm"], eps)
+        qkv = bf16_linear(h, layer["qkv"], layer.get("qkv_bias"))
+        bf16_rope_kv(qkv, heads, kv_heads, cos, sin, positions, slots, k_cache[li], v_cache[li])
+        attn = np.zeros((t, q_size), dtype=np.uint16)
+        bf16_attention(qkv, rows, slots, ends, heads, kv_heads, window, scale, k_cache[li], v_cache[li], attn)
+        x[:] = bf16_linear(attn, layer["o"], layer.get("o_bias"), add_to=x)
+        h = bf16_rmsnorm(x, layer["post_norm"], eps)
+        x[:] = bf16_linear(bf16_silu_mul(bf16_linear(h, layer["gate_up"])), layer["down"], add_to=x)

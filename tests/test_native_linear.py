@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mashbox import native, native_ref
-from mashbox.model import linear
+from mashbox.model import linear, row_ops
 
 KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
 KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
@@ -165,10 +165,10 @@ def test_rmsnorm_is_close_to_torch():
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(40, 576, generator=gen) * 4).bfloat16()
     w = torch.randn(576, generator=gen).bfloat16()
-    got = linear.rms_norm(x, w, 1e-5).float()
+    got = row_ops.rms_norm(x, w, 1e-5).float()
     want = torch.nn.functional.rms_norm(x.float(), (576,), w.float(), 1e-5)
     assert (got - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
-    assert torch.equal(linear.rms_norm(x[7:8], w, 1e-5), linear.rms_norm(x, w, 1e-5)[7:8])
+    assert torch.equal(row_ops.rms_norm(x[7:8], w, 1e-5), row_ops.rms_norm(x, w, 1e-5)[7:8])
 
 
 def test_add_into_updates_the_residual_in_place():
@@ -227,18 +227,18 @@ def test_rope_kv_is_the_decoders_rope_and_refuses_bad_positions():
     want = table.apply(qkv.view(3, 4, 32)[:, :3], table.cos[positions].unsqueeze(1), table.sin[positions].unsqueeze(1))
     v = qkv.view(3, 4, 32)[:, 3].clone()
     got = qkv.clone()
-    linear.rope_kv(got, 3, 2, 1, table.cos, table.sin, positions, slots, k_cache, v_cache)
+    row_ops.rope_kv(got, 3, 2, 1, table.cos, table.sin, positions, slots, k_cache, v_cache)
     assert (got.view(3, 4, 32)[:, :2].float() - want[:, :2].float()).abs().max() < 0.02
     assert (k_cache[slots, 0, positions].float() - want[:, 2].float()).abs().max() < 0.02
     assert torch.equal(v_cache[slots, 0, positions], v)
     before = k_cache.clone()
     for bad_pos, bad_slot in (([5, 64], [0, 0]), ([5, -1], [0, 0]), ([5, 6], [0, 2])):
         with pytest.raises(ValueError):
-            linear.rope_kv(qkv.clone(), 2, 2, 1, table.cos, table.sin, torch.tensor(bad_pos),
+            row_ops.rope_kv(qkv.clone(), 2, 2, 1, table.cos, table.sin, torch.tensor(bad_pos),
                            torch.tensor(bad_slot), k_cache, v_cache)
     assert torch.equal(k_cache, before)
     with pytest.raises(ValueError):  # a table shorter than the cache: its end is the limit
-        linear.rope_kv(qkv.clone(), 1, 2, 1, table.cos[:10], table.sin[:10], torch.tensor([10]),
+        row_ops.rope_kv(qkv.clone(), 1, 2, 1, table.cos[:10], table.sin[:10], torch.tensor([10]),
                        torch.tensor([0]), k_cache, v_cache)
 
 
@@ -289,8 +289,8 @@ def test_silu_mul_is_close_to_torch_and_refuses_odd_widths():
     x[0, :4] = torch.tensor([-100.0, -88.0, 0.0, 100.0])  # far below and above exp's range
     gate, up = x.float().chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    got = linear.silu_mul(x).float()
+    got = row_ops.silu_mul(x).float()
     assert (got - want).abs().max().item() <= 2 ** -8 * want.abs().max().item()
-    assert torch.equal(linear.silu_mul(x[2:3]), linear.silu_mul(x)[2:3])
+    assert torch.equal(row_ops.silu_mul(x[2:3]), row_ops.silu_mul(x)[2:3])
     with pytest.raises(ValueError, match="halves"):
         native.bf16_silu_mul(np.zeros((1, 3), np.uint16))

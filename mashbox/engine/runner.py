@@ -2,7 +2,7 @@
 
 All tensor work of the engine lives here. Buffers are made once at start:
 - input ids / positions: int64[max_step_tokens], filled by slicing (no per-step tensors
-  on the host; on CUDA one copy each to device buffers of the same size);
+  or arrays on the host; on CUDA one copy each to device buffers of the same size);
 - sampling params float32[slots, 7] and RNG states uint64[slots], one row per slot, set
   when a request is admitted into the slot, so a row's draws depend on its own seed only;
 - the KV cache [layers, slots, kv_heads, ctx, head_dim] (model.kv_cache.KVCache).
@@ -84,6 +84,7 @@ class Runner:
         self.max_tokens = cfg.prefill_chunk + cfg.slots
         self._ids_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
         self._pos_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
+        self._ramp = np.arange(self.max_tokens, dtype=np.int64)  # [max_tokens]: a row's positions are start + ramp
         self._ids_host = torch.from_numpy(self._ids_np)
         self._pos_host = torch.from_numpy(self._pos_np)
         if self.device.type == "cpu":
@@ -120,7 +121,7 @@ class Runner:
         for row in rows:
             n = len(row.token_ids)
             self._ids_np[T : T + n] = row.token_ids
-            self._pos_np[T : T + n] = np.arange(row.start, row.start + n)
+            np.add(self._ramp[:n], row.start, out=self._pos_np[T : T + n])
             T += n
         if self._ids_dev is not self._ids_host:
             self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)

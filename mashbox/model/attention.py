@@ -3,9 +3,8 @@ model generated (one query per row) in bfloat16.
 
 Each query attends alone over its own keys, with a fixed arithmetic (csrc/attention.c),
 so a row's bits never depend on the rows beside it, and one call serves every decode row
-of a layer. Measured on this project's CPU (9 query heads, 3 K/V heads of 64): 70 keys
-6 us against SDPA's 21, 1,000 keys 47 us against 86; 8 rows of 70 keys 30 us against 83.
-Prompt rows keep SDPA (decoder.py): over long prompts its blocked gemms are the faster.
+of a layer; for short rows it is several times faster than SDPA (README, speed). Prompt
+rows keep SDPA (attention_plan.py): over long prompts its blocked gemms are the faster.
 
 Tensor shapes: q [T, heads, head_dim] (rows any stride, heads and dims packed); caches
 [slots, kv_heads, capacity, head_dim]; out [T', heads * head_dim] contiguous.
@@ -17,7 +16,7 @@ import math
 import torch
 
 from mashbox import native
-from mashbox.model import linear
+from mashbox.model import csrc
 from mashbox.model.model_config import ModelConfig
 
 MAX_GROUP = 32  # query heads per K/V head (csrc/attention.c)
@@ -25,10 +24,10 @@ MAX_HEAD_DIM = 256
 
 
 def supported(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """The model's decode rows can attend in csrc: bfloat16 on a CPU that runs the fast
-    kernels (AVX-512), head_dim a multiple of 16 up to 256, up to 32 query heads per K/V
-    head."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and linear.bf16_kernel_available()
+    """The model's decode rows can attend in csrc (with a kernel the caller picks:
+    model/kernels.py): bfloat16 on the CPU with the extension built, head_dim a multiple
+    of 16 up to 256, up to 32 query heads per K/V head."""
+    return (native.NATIVE and device.type == "cpu" and dtype == torch.bfloat16
             and c.head_dim % 16 == 0 and c.head_dim <= MAX_HEAD_DIM
             and c.num_heads % c.num_kv_heads == 0 and c.num_heads // c.num_kv_heads <= MAX_GROUP)
 
@@ -37,10 +36,11 @@ class DecodeRows:
     """One forward's decode rows (made once, used by every layer): rows[i] is the row's
     token in the step, slots[i] its slot, ends[i] its position + 1 (keys [0, end))."""
 
-    __slots__ = ("count", "rows", "slots", "ends", "scale", "window")
+    __slots__ = ("count", "rows", "slots", "ends", "scale", "window", "kernel")
 
-    def __init__(self, rows: list[tuple[int, int, int]], c: ModelConfig) -> None:
-        """rows: (token index, slot, end) of each decode row."""
+    def __init__(self, rows: list[tuple[int, int, int]], c: ModelConfig, kernel: int) -> None:
+        """rows: (token index, slot, end) of each decode row; kernel: a native.KERNEL_*."""
+        self.kernel = kernel
         self.count = len(rows)
         self.rows = torch.tensor([r[0] for r in rows], dtype=torch.int64)  # [n]
         self.slots = torch.tensor([r[1] for r in rows], dtype=torch.int64)  # [n]
@@ -54,11 +54,6 @@ class DecodeRows:
         T, H, D = q.shape
         if q.stride(2) != 1 or q.stride(1) != D:
             q = q.contiguous()
-        if not (out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            raise ValueError("decode attention needs contiguous caches and output")
-        native.bf16_attention_ptr(
-            q.data_ptr(), q.stride(0), T, self.rows.data_ptr(), self.slots.data_ptr(),
-            self.ends.data_ptr(), self.count, H, int(k_cache.shape[1]), D, self.window, self.scale,
-            k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.shape[0]), int(k_cache.shape[2]),
-            out.data_ptr(), int(out.shape[1]), native.bf16_kernel(), linear.parallel(),
-            torch.get_num_threads())
+        # heads and dims packed: q's rows as [T, heads * head_dim], the same addresses
+        csrc.attention(q.as_strided((T, H * D), (q.stride(0), 1)), self.rows, self.slots, self.ends, H, int(k_cache.shape[1]), self.window, self.scale,
+                       k_cache, v_cache, out, self.kernel)

@@ -1,12 +1,19 @@
-"""The forms a decoder's linear weight takes on the CPU, each callable as x [M, in] -> [M, out].
+"""The forms a decoder's linear weight takes, each chosen once when the weight is packed
+(decoder.py), each with the same two calls:
 
-- BF16Linear: mashbox's own bfloat16 kernel (csrc/linear.c, AVX512-BF16). Every output
-  is one float32 accumulator over the inputs in a fixed order, so a row's result never
-  depends on the other rows of its batch: no padding rows, no threshold where the bits
-  change (oneDNN rounds one row differently from two). It reads the weight once per call
-  for up to 8 rows at a time, at memory speed for decode. Runs on torch's own OpenMP
-  threads (libgomp's GOMP_parallel, found in the process), so no second thread pool
-  competes for the cores.
+    w(x) -> y              x [M, in] -> [M, out] (+ bias)
+    w.add_into(x, y)       y [M, out] += x @ w.T (+ bias) in place: the residual add
+
+- BF16Linear: mashbox's own bfloat16 kernel (csrc/linear.c, through model/csrc.py).
+  Every output is one float32 accumulator over the inputs in a fixed order, so a row's
+  result never depends on the other rows of its batch: no padding rows, no threshold
+  where the bits change (oneDNN rounds one row differently from two). It reads the
+  weight once per call for up to 8 rows at a time. Runs on torch's own OpenMP threads
+  (libgomp's GOMP_parallel, found in the process), so no second thread pool competes for
+  the cores. add_into adds in place, rounded once.
+- OneDNNLinear: the weight reordered once into oneDNN's blocked layout (a CPU with
+  oneDNN): in bfloat16 each output bit-identical to F.linear's.
+- TorchLinear: plain F.linear (CUDA, or a CPU without oneDNN).
 - Int8Weight / Int4Weight: torch's weight-only quantized kernels (opt-in --weights).
 
 Tensor shapes: weights [out, in]; x [M, in] with unit stride along in; y [M, out].
@@ -14,43 +21,18 @@ Tensor shapes: weights [out, in]; x [M, in] with unit stride along in; y [M, out
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from mashbox import native
-
-log = logging.getLogger(__name__)
+from mashbox.model import csrc
+from mashbox.model.csrc import parallel  # noqa: F401  (re-exported: the kernels' thread pool)
 
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
-
-
-def _gomp_parallel() -> int:
-    """Address of GOMP_parallel in the libgomp torch already loaded, or 0 (one thread)."""
-    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return 0
-    try:
-        lib = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        return int(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0)
-    except (OSError, AttributeError):
-        return 0
-
-
-_PARALLEL: Optional[int] = None
-
-
-def parallel() -> int:
-    """GOMP_parallel's address for csrc's kernels (looked up once), or 0: one thread."""
-    global _PARALLEL
-    if _PARALLEL is None:
-        _PARALLEL = _gomp_parallel()
-        if not _PARALLEL:
-            log.warning("libgomp not found in this process: csrc's kernels run on one thread")
-    return _PARALLEL
 
 
 def bf16_kernel_available() -> bool:
@@ -66,22 +48,22 @@ class BF16Linear:
     def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  kernel: Optional[int] = None, into: Optional[torch.Tensor] = None) -> None:
         """into: where the packed weight goes (packed_bytes(w) bytes of a WeightArena),
-        else a buffer of its own."""
-        parallel()
+        else a buffer of its own. kernel: a native.KERNEL_* (default the fastest here)."""
+        csrc.parallel()
         if w.dtype != torch.bfloat16 or w.dim() != 2 or w.device.type != "cpu":
             raise ValueError(f"BF16Linear takes a 2-d bfloat16 CPU weight, got {w.dtype} {tuple(w.shape)} on {w.device}")
         self.n, self.k = (int(s) for s in w.shape)
-        nbytes = native.bf16_packed_bytes(self.n, self.k)
+        nbytes = csrc.packed_bytes(self.n, self.k)
         if nbytes == 0:
             raise ValueError(f"BF16Linear needs an even input size, got {self.k}")
         if into is not None:
             if into.numel() * into.element_size() != nbytes:
-                raise ValueError(f"BF16Linear: `into` holds {into.numel() * into.element_size()} bytes, the weight packs to {nbytes}")
+                raise ValueError(f"BF16Linear: `into` holds {into.numel() * into.element_size()} bytes, "
+                                 f"the weight packs to {nbytes}")
             self.packed = into.view(torch.int16)  # [tiles, in / 2, 48, 2]
         else:
             self.packed = torch.empty(nbytes // 2, dtype=torch.int16)
-        w = w.contiguous()
-        native.bf16_pack_ptr(w.data_ptr(), self.n, self.k, self.packed.data_ptr())
+        csrc.pack(w.contiguous(), self.packed)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
         self.kernel = native.bf16_kernel() if kernel is None else kernel
 
@@ -91,7 +73,7 @@ class BF16Linear:
 
     @staticmethod
     def packed_bytes(w: torch.Tensor) -> int:
-        return native.bf16_packed_bytes(int(w.shape[0]), int(w.shape[1]))
+        return csrc.packed_bytes(int(w.shape[0]), int(w.shape[1]))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
@@ -104,8 +86,7 @@ class BF16Linear:
         from the packed output head, so the plain copy need not be kept."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.k, dtype=torch.bfloat16)
-        native.bf16_gather_rows_ptr(self.packed.data_ptr(), self.n, self.k, ids.data_ptr(),
-                                    int(ids.shape[0]), out.data_ptr())
+        csrc.gather_rows(self.packed, self.n, self.k, ids, out)
         return out
 
     def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -115,36 +96,41 @@ class BF16Linear:
         self._run(x, y, native.Y_ADD_BF16)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int) -> None:
-        if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
             x = x.to(torch.bfloat16).contiguous()
-        m = int(x.shape[0])
-        if m:
-            native.bf16_linear_ptr(
-                x.data_ptr(), x.stride(0), m, self.packed.data_ptr(), self.n, self.k,
-                0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), mode, self.n,
-                self.kernel, _PARALLEL, torch.get_num_threads())
+        csrc.linear(x, self.packed, self.n, self.k, self.bias, y, mode, self.kernel)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, k] bfloat16 (unit stride along k) -> [M, k]: csrc's mb_bf16_rmsnorm (one call
-    instead of F.rms_norm's several ops; 4 us against 10 for a decode row)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    native.bf16_rmsnorm_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), int(x.shape[1]),
-                            weight.data_ptr(), eps, out.data_ptr(), int(x.shape[1]))
-    return out
+class OneDNNLinear:
+    """A weight reordered once into oneDNN's blocked layout, and its bias."""
+
+    __slots__ = ("packed", "bias")
+
+    def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        y.add_(self(x))  # the same rounding as y + self(x)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [M, 2 I] bfloat16 ([gate | up], unit stride along it) -> [M, I] silu(gate) * up,
-    rounded once: csrc's mb_bf16_silu_mul (one call instead of chunk, silu and mul)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    n = int(x.shape[1]) // 2
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    native.bf16_silu_mul_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), n, out.data_ptr(), n)
-    return out
+class TorchLinear:
+    """A plain [out, in] weight for F.linear, and its bias."""
+
+    __slots__ = ("weight", "bias")
+
+    def __init__(self, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        self.weight = w
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        y.add_(self(x))  # the same rounding as y + self(x)
 
 
 @dataclass(slots=True)
@@ -152,15 +138,20 @@ class Int8Weight:
     """Weight-only int8, symmetric per output row: w ~= q * scale."""
     q: torch.Tensor  # [out, in] int8
     scale: torch.Tensor  # [out] model dtype
+    bias: Optional[torch.Tensor] = None  # [out] model dtype, added after the product
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> "Int8Weight":
+    def of(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Int8Weight":
         scale = (w.float().abs().amax(dim=1) / 127).clamp_(min=1e-12)  # [out]
         q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        return cls(q, scale.to(w.dtype))
+        return cls(q, scale.to(w.dtype), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        y.add_(self(x))  # the same rounding as y + self(x)
 
 
 @dataclass(slots=True)
@@ -170,36 +161,27 @@ class Int4Weight:
     (q - 8) * scale + zero, so zero = min + 8 d."""
     packed: torch.Tensor
     scale_zero: torch.Tensor  # [in / group, out, 2] model dtype
+    bias: Optional[torch.Tensor] = None  # [out] model dtype, added after the product
 
     @classmethod
-    def of(cls, w: torch.Tensor) -> "Int4Weight":
+    def of(cls, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Int4Weight":
         out, inp = w.shape
         g = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)  # [out, groups, group]
         lo = g.amin(dim=-1)
         d = ((g.amax(dim=-1) - lo) / 15).clamp_(min=1e-12)  # [out, groups]
         q = ((g - lo[..., None]) / d[..., None]).round_().clamp_(0, 15).to(torch.int32).view(out, inp)
         scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
-        return cls(torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero)
+        return cls(torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
+        return y if self.bias is None else y + self.bias
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        y.add_(self(x))  # the same rounding as y + self(x)
 
 
-def rope_kv(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, cos: torch.Tensor,
-            sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Rotary embedding of q and k in qkv [T', (heads + 2 kv_heads) * head_dim] (its first
-    `tokens` rows), q in place, k and v written into the caches [slots, kv_heads, capacity,
-    head_dim] at (slots[i], :, positions[i]): csrc's mb_bf16_rope_kv, one call for what
-    takes seven torch ops (rope.apply and two index writes)."""
-    if qkv.stride(-1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()
-                                   and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_kv needs unit-stride qkv rows and contiguous tables and caches")
-    native.bf16_rope_kv_ptr(
-        qkv.data_ptr(), qkv.stride(0), tokens, heads, kv_heads, int(cos.shape[1]), cos.data_ptr(),
-        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.shape[0]), int(k_cache.shape[2]), int(cos.shape[0]))
-
+Linear = Union[BF16Linear, OneDNNLinear, TorchLinear, Int8Weight, Int4Weight]
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES = True  # a switch for benchmarks: the arena asks for transparent huge pages
@@ -209,8 +191,7 @@ class WeightArena:
     """One buffer for every packed weight of a model, handed out in the order the decoder
     reads them, and (on Linux) backed by transparent huge pages: a decode step streams
     all of it, and with 4 KiB pages it walks 65k page-table entries per step for the
-    default model. Measured on this project's CPU, the default model's 121 decode linears:
-    57 GB/s on 4 KiB pages, 60 GB/s on huge pages."""
+    default model (README, speed: the measured difference)."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched until packed

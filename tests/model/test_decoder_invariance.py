@@ -15,28 +15,37 @@ import pytest
 import torch
 from tiny import make_tiny
 
+from mashbox import native
 from mashbox.model import linear, loader
-from mashbox.model.decoder import Batch, Decoder, _padded_queries
+from mashbox.model.attention_plan import padded_queries as _padded_queries
+from mashbox.model.decoder import Batch, Decoder
+from mashbox.model.kernels import Kernels
 from mashbox.model.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float32]
 # bfloat16 linears run on mashbox's kernel where the CPU has AVX512-BF16, else on oneDNN
-# (with padding rows): both must hold
-KERNELS = [(torch.bfloat16, None), (torch.bfloat16, False), (torch.float32, None)]
-KERNEL_IDS = ["bf16", "bf16-onednn", "f32"]
+# (with padding rows): both must hold; csrc's portable kernel (the same bits, plain C)
+# runs on every machine, so csrc's paths are tested where AVX512-BF16 is missing too
+KERNELS = [(torch.bfloat16, Kernels()), (torch.bfloat16, Kernels(linears="onednn")),
+           (torch.bfloat16, Kernels(kernel=native.KERNEL_PORTABLE)), (torch.float32, Kernels())]
+KERNEL_IDS = ["bf16", "bf16-onednn", "bf16-portable", "f32"]
+# csrc's kernels, forced: the portable one everywhere, AVX512-BF16 where the CPU has it
+CSRC_KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
+CSRC_KERNEL_IDS = ["portable", "avx512bf16"][:len(CSRC_KERNELS)]
 
 
-def _decoder(path: str, dtype: torch.dtype, own_kernel=None) -> Decoder:
+def _decoder(path: str, dtype: torch.dtype, kernels: Kernels = Kernels()) -> Decoder:
     weights = loader.load(path, dtype, CPU)
-    decoder = Decoder(weights.config, weights.tensors, dtype, CPU, own_kernel=own_kernel)
+    decoder = Decoder(weights.config, weights.tensors, dtype, CPU, kernels=kernels)
     assert decoder.batch_invariant, "batch invariance is the CPU default"
-    if own_kernel is False:
-        assert not decoder.own_kernel
-    elif dtype == torch.bfloat16 and linear.bf16_kernel_available() and decoder._packed:
-        assert decoder.own_kernel and decoder._min_rows == 1, "no padding rows on the own kernel"
-    if dtype == torch.bfloat16 and linear.bf16_kernel_available():
-        assert decoder.own_attention, "decode rows attend on csrc's kernel (model/attention.py)"
+    csrc_runs = linear.bf16_kernel_available() or kernels.kernel != 0
+    if kernels.linears == "onednn":
+        assert decoder.kernels.linears == "onednn"
+    elif dtype == torch.bfloat16 and csrc_runs and decoder._packed:
+        assert decoder.kernels.linears == "csrc" and decoder._min_rows == 1, "no padding rows on the own kernel"
+    if dtype == torch.bfloat16 and csrc_runs:
+        assert decoder.kernels.attention == "csrc", "decode rows attend on csrc's kernel (model/attention.py)"
     return decoder
 
 
@@ -82,10 +91,10 @@ def _check_schedules(decoder: Decoder, prompt: list[int], ctx: int, vocab: int) 
         tok = int(alone.argmax())
 
 
-@pytest.mark.parametrize("dtype,own_kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("dtype,kernels", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied", "qwen2"])
-def test_tiny_model_schedules_give_identical_logits(tmp_path, variant, dtype, own_kernel):
-    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, own_kernel)
+def test_tiny_model_schedules_give_identical_logits(tmp_path, variant, dtype, kernels):
+    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, kernels)
     prompt = torch.randint(0, 128, (45,), generator=torch.Generator().manual_seed(1)).tolist()
     _check_schedules(decoder, prompt, ctx=64, vocab=128)
 
@@ -139,15 +148,16 @@ def test_default_model_without_padding_logits_change(default_model_path, monkeyp
     """The tests above can fail: in bfloat16 on oneDNN, without padding rows to the linears
     a decode row alone differs from the same row beside another; without padding SDPA's
     queries the last prompt token alone differs from the whole prefill."""
+    import mashbox.model.attention_plan as plan_mod
     import mashbox.model.decoder as decoder_mod
 
     if pad == "linear_rows":
         monkeypatch.setattr(decoder_mod, "_MIN_ROWS", {})
     else:
-        monkeypatch.setattr(decoder_mod, "_QUERY_MULTIPLE", {})
+        monkeypatch.setattr(plan_mod, "_QUERY_MULTIPLE", {})
     # shown with oneDNN's linears; on mashbox's kernel these prompts do not expose the
     # SDPA query blocks (the padding stays: SDPA's kernel is the same)
-    decoder = _decoder(default_model_path, torch.bfloat16, own_kernel=False)
+    decoder = _decoder(default_model_path, torch.bfloat16, Kernels(linears="onednn"))
     cache = KVCache(decoder.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
     fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
     prompt = torch.randint(0, decoder.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -181,7 +191,7 @@ def test_packed_bfloat16_linears_give_the_plain_ones_bits(tmp_path, monkeypatch)
     import mashbox.model.decoder as decoder_mod
 
     folder = str(make_tiny(tmp_path, "qwen2"))  # tied head, q/k/v biases
-    packed = _decoder(folder, torch.bfloat16, own_kernel=False)
+    packed = _decoder(folder, torch.bfloat16, Kernels(linears="onednn"))
     if not packed._packed:
         pytest.skip("this torch has no oneDNN linear packing")
     monkeypatch.setattr(decoder_mod, "_packs_linears", lambda device, dtype: False)
@@ -242,15 +252,15 @@ def test_int4_requantizes_the_default_models_q4_1_weights_almost_exactly(default
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prompt-rows", "decode-rows"])
-@pytest.mark.parametrize("dtype,own_kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("dtype,kernels", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("variant", ["llama", "mistral_window"])
-def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_kernel, decode):
+def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, kernels, decode):
     """One-token rows attend in one SDPA call per key width, over a view of their slot
     range or gathered slots (prompt rows: a prompt's last token recomputed), or on csrc's
     decode attention (decode rows, bfloat16 where it runs): a row's logits equal its own
     alone whatever shares the call (a far slot: gathered; a gap in the range: a spare
     slot; a longer slot: another key width, another call)."""
-    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, own_kernel)
+    decoder = _decoder(str(make_tiny(tmp_path, variant)), dtype, kernels)
     cache = KVCache(decoder.config, slots=10, ctx=600, dtype=dtype, device=CPU)
     fwd = lambda rows: decoder.forward(Batch.build(rows, decode=tuple(decode and len(r[2]) == 1 for r in rows)), cache)  # noqa: E731
     gen = torch.Generator().manual_seed(5)
@@ -266,20 +276,21 @@ def test_decode_rows_attend_alike_in_any_company(tmp_path, variant, dtype, own_k
         assert torch.equal(alone, got), company
 
 
+@pytest.mark.parametrize("kernel", CSRC_KERNELS, ids=CSRC_KERNEL_IDS)
 @pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen3_tied", "qwen2"])
-def test_decode_attention_is_as_close_to_float32_as_sdpa(tmp_path, variant):
+def test_decode_attention_is_as_close_to_float32_as_sdpa(tmp_path, variant, kernel):
     """bfloat16 decode rows on csrc's attention against the same rows on SDPA
-    (own_attention=False): against a float32 decoder, over 12 decode steps after a
+    (kernels.attention "sdpa"): against a float32 decoder, over 12 decode steps after a
     70-token prompt (past mistral_window's 8-key window), neither is further off than
     bfloat16's own noise."""
     path = str(make_tiny(tmp_path, variant))
-    own = _decoder(path, torch.bfloat16)
-    if not own.own_attention:
-        pytest.skip("csrc's decode attention does not run here (no AVX-512 kernels)")
+    own = _decoder(path, torch.bfloat16, Kernels(kernel=kernel))
     weights = loader.load(path, torch.bfloat16, CPU)
-    sdpa = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU, own_attention=False)
+    sdpa = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU,
+                   kernels=Kernels(attention="sdpa", kernel=kernel))
     exact = _decoder(path, torch.float32)
-    assert not sdpa.own_attention and not exact.own_attention
+    assert own.kernels.attention == "csrc"
+    assert sdpa.kernels.attention == "sdpa" and exact.kernels.attention == "sdpa"
     prompt = torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(8)).tolist()
     errors = {}
     for name, d in (("own", own), ("sdpa", sdpa), ("f32", exact)):
@@ -296,22 +307,23 @@ def test_decode_attention_is_as_close_to_float32_as_sdpa(tmp_path, variant):
     assert not torch.equal(errors["own"], errors["sdpa"]), "the two paths are not the same code"
 
 
+@pytest.mark.parametrize("kernel", CSRC_KERNELS, ids=CSRC_KERNEL_IDS)
 @pytest.mark.parametrize("variant", ["llama", "llama_mha", "mistral_window", "qwen2", "qwen3_tied"])
-def test_decode_layers_in_one_c_call_give_the_python_paths_bits(tmp_path, variant):
+def test_decode_layers_in_one_c_call_give_the_python_paths_bits(tmp_path, variant, kernel):
     """A step of decode rows only runs its layers in one csrc call (csrc/layers.c); the
-    same step through forward's Python loop (own_layers=False) gives the same logits and
+    same step through forward's Python loop (kernels.layers "python") gives the same logits and
     K/V, alone and at batch 3, with biases (qwen2), a window (mistral_window) and tied
     embeddings. Models with q/k norms (qwen3) keep the Python loop."""
     path = str(make_tiny(tmp_path, variant))
-    in_c = _decoder(path, torch.bfloat16)
+    in_c = _decoder(path, torch.bfloat16, Kernels(kernel=kernel))
     weights = loader.load(path, torch.bfloat16, CPU)
-    in_py = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU, own_layers=False)
+    in_py = Decoder(weights.config, weights.tensors, torch.bfloat16, CPU,
+                    kernels=Kernels(layers="python", kernel=kernel))
     if variant == "qwen3_tied":
-        assert in_c._c_layers is None
+        assert in_c.kernels.layers == "python"
         return
-    if in_c._c_layers is None:
-        pytest.skip("the own kernels do not run here (no AVX512-BF16)")
-    assert in_py._c_layers is None
+    assert in_c.kernels.layers == "c"
+    assert in_py.kernels.layers == "python"
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 12, 70)]
     outs, caches = [], []

@@ -1,0 +1,88 @@
+"""Kernels: what a Decoder runs on, chosen once at its construction.
+
+Four choices, each a field; "auto" (and kernel 0) picks the fastest that runs here:
+- linears: bfloat16 dense linears on csrc's kernel ("csrc": model/linear.py's
+  BF16Linear, with the norms, rope and activation in csrc too: model/row_ops.py), on
+  oneDNN-packed weights ("onednn"), or plain F.linear ("torch"). float32 and CUDA never
+  take "csrc".
+- attention: decode rows (Batch.row_decode) on csrc's attention ("csrc":
+  model/attention.py) or SDPA ("sdpa"); prompt rows always take SDPA.
+- layers: a step whose rows all decode on csrc's attention runs every layer in one C
+  call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
+  ("python"). "c" needs csrc linears and attention, dense weights, no q/k norms.
+- kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16, or
+  native.KERNEL_PORTABLE: plain C on any CPU, the same bits, slow: what the tests force
+  on a machine without AVX512-BF16). 0: the fastest here; "auto" takes csrc only where
+  that is the AVX512-BF16 one, or where a kernel is named.
+
+An explicit choice that cannot run here is a ModelError, not a silent fallback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mashbox import native
+from mashbox.model import attention
+from mashbox.model.errors import ModelError
+from mashbox.model.model_config import ModelConfig
+
+LINEARS = ("auto", "csrc", "onednn", "torch")
+ATTENTION = ("auto", "csrc", "sdpa")
+LAYERS = ("auto", "c", "python")
+KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    linears: str = "auto"
+    attention: str = "auto"
+    layers: str = "auto"
+    kernel: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("linears", self.linears, LINEARS), ("attention", self.attention, ATTENTION),
+                                     ("layers", self.layers, LAYERS), ("kernel", self.kernel, KERNELS)):
+            if value not in allowed:
+                raise ModelError(f"kernels.{name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
+
+    def resolve(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, weights: str,
+                packs: bool) -> "Kernels":
+        """The concrete choice for this model, dtype and device (no "auto" left; kernel 0
+        only where nothing runs on csrc). packs: oneDNN's linear packing is offered."""
+        fastest = native.bf16_kernel() if native.NATIVE else 0
+        if self.kernel == native.KERNEL_AVX512BF16 and fastest != native.KERNEL_AVX512BF16:
+            raise ModelError("kernels.kernel AVX512-BF16 does not run on this CPU (or the extension is not built)")
+        if self.kernel and not native.NATIVE:
+            raise ModelError("kernels.kernel needs the C extension (mashbox._native), which is not built")
+        kernel = self.kernel or fastest
+        # "auto" takes csrc where its kernel is the fast one, or where the caller named one
+        auto_csrc = bool(self.kernel) or fastest == native.KERNEL_AVX512BF16
+        csrc_linears = native.NATIVE and device.type == "cpu" and dtype == torch.bfloat16
+        linears = self.linears
+        if linears == "auto":
+            linears = "csrc" if csrc_linears and packs and auto_csrc else "onednn" if packs else "torch"
+        elif linears == "csrc" and not csrc_linears:
+            raise ModelError("kernels.linears csrc needs bfloat16 on the CPU with the C extension built")
+        elif linears == "onednn" and not packs:
+            raise ModelError("kernels.linears onednn needs a CPU with oneDNN's linear packing")
+        csrc_attention = attention.supported(config, dtype, device)
+        att = self.attention
+        if att == "auto":
+            att = "csrc" if csrc_attention and auto_csrc else "sdpa"
+        elif att == "csrc" and not csrc_attention:
+            raise ModelError("kernels.attention csrc needs bfloat16 on the CPU with the C extension built, "
+                             f"head_dim a multiple of 16 up to {attention.MAX_HEAD_DIM} and at most "
+                             f"{attention.MAX_GROUP} query heads per K/V head")
+        c = config
+        even = all(k % 2 == 0 for k in (c.hidden_size, c.q_size, c.intermediate_size))  # every linear's input size
+        in_c = linears == "csrc" and att == "csrc" and weights == "dense" and not c.qk_norm and even
+        layers = self.layers
+        if layers == "auto":
+            layers = "c" if in_c else "python"
+        elif layers == "c" and not in_c:
+            raise ModelError("kernels.layers c needs csrc linears and attention, dense weights, no q/k norms "
+                             "and even layer widths")
+        uses_csrc = linears == "csrc" or att == "csrc"
+        return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0)

@@ -1,0 +1,124 @@
+"""The two ways a forward runs its decoder layers, chosen once (model/kernels.py, layers):
+
+- PythonLayers: each layer's calls made from Python, in the order below; every step can
+  take it.
+- CLayers: a step whose rows all decode on csrc's attention runs every layer in one C
+  call (csrc/layers.c: the same calls, in the same order, so the same bits: a Python
+  call costs a few microseconds of its own, and a batch-1 decode step of the default
+  model makes 300 of them); any other step goes to its PythonLayers.
+
+Per layer, for x [Tp, hidden] (the residual stream, updated in place):
+    h = norm(x); qkv = h @ qkv.T (+ bias); [q/k norm]; rope of q and k, K/V cache write;
+    attention of every row over its slot; x += attn @ o.T (+ bias);
+    h = norm(x); x += act(h @ gate_up.T) @ down.T
+
+Buffers made once and reused (grown only when a step has more rows than any before):
+the attention output [Tp, heads * head_dim] and C's scratch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from mashbox.model import csrc
+from mashbox.model.attention_plan import AttentionPlan
+from mashbox.model.kv_cache import KVCache
+from mashbox.model.linear import BF16Linear, Linear
+from mashbox.model.model_config import ModelConfig
+from mashbox.model.rope import RopeTable
+from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
+
+
+@dataclass(slots=True)
+class Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], its bias folded in
+    qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]: q_norm rows then k_norm rows
+    o: Linear  # [hidden, q_size], its bias folded in
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class Step:
+    """One forward's inputs to the layers."""
+    tokens: int  # T: the batch's tokens
+    padded: int  # Tp >= T: with padding rows (their K/V never written, outputs never read)
+    positions: torch.Tensor  # [T] int64
+    padded_positions: torch.Tensor  # [Tp] int64
+    plan: AttentionPlan
+    cache: KVCache
+    rope: RopeTable
+
+
+class PythonLayers:
+    def __init__(self, config: ModelConfig, layers: list[Layer], ops: Union[CsrcRowOps, TorchRowOps],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.layers, self.ops = config, layers, ops
+        self._attn = torch.zeros(0, config.q_size, dtype=dtype, device=device)  # [rows, heads * head_dim]
+
+    def _attention_out(self, tokens: int, padded: int) -> torch.Tensor:
+        """[padded, heads * head_dim]: rows < tokens are written by every layer's attention
+        before they are read; padding rows are zero, as a fresh buffer's."""
+        if self._attn.shape[0] < padded:
+            self._attn = torch.zeros(padded, self._attn.shape[1], dtype=self._attn.dtype, device=self._attn.device)
+        out = self._attn[:padded]
+        if padded > tokens:
+            out[tokens:].zero_()
+        return out
+
+    def run(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        c, ops = self.config, self.ops
+        T, Tp = step.tokens, step.padded
+        H, KV, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        tables = ops.tables(step.rope, step.padded_positions)
+        attn = self._attention_out(T, Tp)
+        cache, plan = step.cache, step.plan
+        for li, layer in enumerate(self.layers):
+            h = ops.norm(x, layer.input_norm, eps)
+            qkv = layer.qkv(h)  # [Tp, (heads + 2 kv_heads) * head_dim]
+            qk = None
+            if layer.qk_norm is not None:
+                qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
+                qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
+            k_cache, v_cache = cache.k[li], cache.v[li]  # [slots, kv_heads, capacity, head_dim]
+            q = ops.rope_kv(qkv, qk, T, tables, step.positions, plan.token_slots, k_cache, v_cache)
+            plan.attend(q, k_cache, v_cache, attn)
+            layer.o.add_into(attn, x)
+            h = ops.norm(x, layer.post_norm, eps)
+            layer.down.add_into(ops.act(layer.gate_up(h)), x)
+        return x
+
+
+class CLayers:
+    def __init__(self, config: ModelConfig, layers: list[Layer], python: PythonLayers, kernel: int) -> None:
+        c = config
+        self.config, self.python, self.kernel = c, python, kernel
+        entries = []
+        for layer in layers:
+            ws = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if layer.qk_norm is not None or not all(isinstance(w, BF16Linear) for w in ws):
+                raise ValueError("CLayers takes csrc linears (BF16Linear) and no q/k norms")
+            layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
+            entries.append(dict(input_norm=layer.input_norm, post_norm=layer.post_norm,
+                                qkv=layer.qkv.packed, o=layer.o.packed, gate_up=layer.gate_up.packed,
+                                down=layer.down.packed, qkv_bias=layer.qkv.bias, o_bias=layer.o.bias))
+        self.table = csrc.LayerTable(entries, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                     c.intermediate_size)
+        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    def run(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        own, T = step.plan.own, step.tokens
+        if own is None or own.count != T or step.padded != T:
+            return self.python.run(x, step)
+        need = self.table.scratch_elements(T)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.bfloat16)
+        rope, cache = step.rope, step.cache
+        self.table.decode(x, step.positions.contiguous(), own.rows, own.slots, own.ends, self.config.rms_norm_eps,
+                          rope.cos, rope.sin, cache.k, cache.v, own.window, own.scale, self._scratch, self.kernel)
+        return x
