@@ -165,12 +165,31 @@ def test_default_model_without_padding_logits_change(default_model_path, monkeyp
     fwd([(1, 0, prompt)])
     fwd([(2, 0, prompt[:-1])])
     if pad == "linear_rows":
+        if _onednn_rows_are_invariant(decoder.config):
+            pytest.skip("this CPU's oneDNN gives a row alone the bits it gets beside another "
+                        "(checked on the model's linear shapes): the padding has nothing to show here")
         alone = fwd([(0, 40, [7])])[0]
         beside = fwd([(0, 40, [7]), (1, 40, [7])])
         assert torch.equal(beside[0], beside[1])
         assert not torch.equal(alone, beside[0])
     else:
         assert not torch.equal(whole, fwd([(2, 39, prompt[-1:])])[0])
+
+
+def _onednn_rows_are_invariant(config) -> bool:
+    """Whether oneDNN's bfloat16 linear gives one row the same bits alone as beside a second,
+    for each linear shape of the model. It differs by CPU (its small-M kernels do): where it
+    does not differ, the padding rows the test above removes change nothing."""
+    from mashbox.model.linear import OneDNNLinear
+
+    g = torch.Generator().manual_seed(0)
+    h, q, kv, ffn = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    for n, k in ((q + 2 * kv, h), (h, q), (2 * ffn, h), (h, ffn), (config.vocab_size, h)):
+        lin = OneDNNLinear((torch.randn(n, k, generator=g) * 0.05).bfloat16())
+        x = torch.randn(2, k, generator=g).bfloat16()
+        if not torch.equal(lin(x[:1])[0], lin(x)[0]):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 7, 8])
