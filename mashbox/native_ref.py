@@ -1,5 +1,8 @@
 """Pure numpy/Python reference of the C extension (csrc/): the definition it must match.
 
+Over ~450 lines on purpose: one twin of every C function in one module, as csrc/mashbox.h
+is the one C API and native.py its one wrapper; split, the rules below would be split too.
+
 Everything here is written for exactness, not speed: the C code (csrc/sample.c, stop.c,
 prefix.c) must give the same bits, and the parity tests check that it does. The rules
 both follow:

@@ -1,5 +1,8 @@
 """The tokenizer: text <-> ids for one model, loaded from an HF folder or a GGUF file.
 
+Over ~450 lines: the GGUF vocabulary builders (gpt2 and llama, below) are part of this one
+noun; nothing else uses them, and they must agree with the rules stated here.
+
 Rules:
 - `encode(text)` treats text as plain text: the string "<|im_end|>" in it becomes the
   ids of its characters, never the control token. Only `encode_marked()` produces
