@@ -116,6 +116,22 @@ class ModelConfig:
     def rope_type(self) -> Optional[str]:
         return None if self.rope_scaling is None else self.rope_scaling["rope_type"]
 
+    def describe_rope(self) -> str:
+        """One line for the log: the rope that positions past the trained length get."""
+        s = self.rope_scaling
+        if s is None:
+            return (f"plain rope (no scaling): positions past {self.max_position_embeddings} are "
+                    "extrapolated; --rope-scaling yarn stretches the rope to fit")
+        kind = s["rope_type"]
+        if kind == "yarn":
+            return (f"yarn rope scaling, factor {s['factor']:g} over {s['original_max_position_embeddings']} "
+                    f"original positions, attention factor {s['attention_factor']:.4f}")
+        if kind == "dynamic":
+            return f"dynamic NTK rope scaling, factor {s['factor']:g}, base fixed from ctx"
+        if kind == "linear":
+            return f"linear rope scaling, factor {s['factor']:g}"
+        return f"the model's {kind} rope frequencies"
+
     def with_rope_scaling(self, kind: Optional[str], factor: Optional[float], ctx: int) -> "ModelConfig":
         """This config with the CLI's --rope-scaling `kind` / --rope-scale `factor` applied
         for slots of `ctx` tokens.
