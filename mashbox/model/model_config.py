@@ -231,10 +231,10 @@ def _hf_rope(d: dict) -> tuple[float, Optional[dict]]:
         return theta, None
     params.pop("type", None)
     params.pop("rope_type", None)
-    # transformers (standardizerope_params) reads a top-level original_max_position_embeddings
+    # transformers (standardize_rope_params) reads a top-level original_max_position_embeddings
     # first (Phi-3 style), then the scaling's own, then max_position_embeddings
     original = d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
-    if original is not None:
+    if original is not None and kind in ("llama3", "yarn"):
         params["original_max_position_embeddings"] = original
     return theta, rope_params(kind, params, int(d.get("max_position_embeddings", 2048)))
 
