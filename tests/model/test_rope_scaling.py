@@ -51,7 +51,7 @@ SCALED = {
 
 
 @pytest.fixture(scope="module")
-def scaled_dir(tmp_path_factory, request):
+def scaled_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("scaled")
 
 
@@ -248,7 +248,6 @@ def test_flags_apply_over_a_plain_model():
 
 
 def test_flags_over_a_model_with_its_own_scaling():
-    qwen = PLAIN.with_rope_scaling("yarn", 4.0, 32768)
     qwen = ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=128, hidden_size=64,
                                     intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                     max_position_embeddings=40960, rope_scaling={
