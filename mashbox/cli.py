@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from mashbox import __version__, registry
-from mashbox.config import EngineConfig, ServerConfig
+from mashbox.config import ROPE_SCALINGS, EngineConfig, ServerConfig
 from mashbox.modelfile import ModelFileError, inspect
 
 log = logging.getLogger("mashbox")
@@ -68,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
                      "(opt-in, bfloat16 on a CPU only: faster decode, logits within ~1%% of dense)")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="device (default auto: cuda when available, else cpu)")
+    run.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
+                     help="rope scaling for contexts past the model's trained length, over the "
+                     "model's own (default: the model's own, often none: plain rope, which loses "
+                     "coherence past the trained length). yarn is what Qwen3 and most long-context "
+                     "models use; dynamic is NTK-aware, fixed from --ctx; none drops the model's own")
+    run.add_argument("--rope-scale", type=float, default=None, metavar="F",
+                     help="rope scaling factor, >= 1 (default: --ctx / the trained length when "
+                     "--rope-scaling is given, else the model's own); alone, it scales the model's "
+                     "own type, or linear")
     run.add_argument("--prefill-chunk", type=int, default=512,
                      help="most prompt tokens prefilled in one step, over all requests (default 512)")
     run.add_argument("--threads", type=int, default=None,
@@ -163,6 +172,10 @@ def _flag_errors(args: argparse.Namespace) -> Optional[str]:
         return "--threads must be >= 1"
     if args.weights != "dense" and (args.dtype == "float32" or args.device == "cuda"):
         return f"--weights {args.weights} runs in bfloat16 on a CPU only"
+    if args.rope_scale is not None and not 1.0 <= args.rope_scale < float("inf"):
+        return "--rope-scale must be a number >= 1"
+    if args.rope_scale is not None and args.rope_scaling == "none":
+        return "--rope-scale needs a rope scaling, not --rope-scaling none"
     if not 0 < args.port < 65536:
         return "--port must be in 1..65535"
     for name in args.server_name:
@@ -194,14 +207,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _fail(bad)
     model_id, path = registry.resolve(args.model)
     mf = inspect(path)
-    if args.ctx is not None and mf.context_length and args.ctx > mf.context_length:
-        log.warning("--ctx %d is longer than the model's trained context (%d): quality may drop "
-                    "past %d tokens", args.ctx, mf.context_length, mf.context_length)
+    if (args.ctx is not None and mf.context_length and args.ctx > mf.context_length
+            and args.rope_scaling is None and args.rope_scale is None):
+        log.warning("--ctx %d is longer than the model's trained context (%d): the model's own rope "
+                    "is kept (plain rope unless its config scales it), and quality may drop past %d "
+                    "tokens; --rope-scaling yarn stretches it to fit", args.ctx, mf.context_length,
+                    mf.context_length)
     server = ServerConfig(host=args.host, port=args.port, api_keys=keys,
                           server_names=tuple(args.server_name), ui=args.ui)
     engine = EngineConfig(model_path=str(path), model_id=model_id, slots=args.slots, ctx=args.ctx,
                           dtype=args.dtype, device=args.device, prefill_chunk=args.prefill_chunk,
-                          threads=args.threads, weights=args.weights)
+                          threads=args.threads, weights=args.weights,
+                          rope_scaling=args.rope_scaling, rope_scale=args.rope_scale)
     from mashbox.api.app import serve
 
     try:

@@ -124,6 +124,10 @@ class StepEvent:
         )
 
 
+# what --rope-scaling may ask for (model/model_config.py says what each does)
+ROPE_SCALINGS = ("none", "linear", "yarn", "dynamic")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the worker process needs to start; sent to it at spawn."""
@@ -140,6 +144,11 @@ class EngineConfig:
     # "dense" (weights in `dtype`), or opt-in weight-only "int8" / "int4" linears (bfloat16
     # on a CPU only: fewer bytes read per decode step, logits within ~1% of dense)
     weights: str = "dense"
+    # --rope-scaling / --rope-scale over the model's own rope scaling (ModelConfig.
+    # with_rope_scaling): None = the model's own; "none" | "linear" | "yarn" | "dynamic".
+    # rope_scale None = ctx / the trained length for the asked type, or the model's own.
+    rope_scaling: Optional[str] = None
+    rope_scale: Optional[float] = None
 
     def __post_init__(self):
         if self.slots < 1:
@@ -156,6 +165,13 @@ class EngineConfig:
             raise ValueError(f"weights must be dense, int8 or int4, not {self.weights!r}")
         if self.weights != "dense" and self.dtype == "float32":
             raise ValueError(f"weights {self.weights} runs in bfloat16 only, not with dtype float32")
+        if self.rope_scaling not in (None,) + ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}")
+        if self.rope_scale is not None:
+            if not (isinstance(self.rope_scale, (int, float)) and 1.0 <= self.rope_scale < float("inf")):
+                raise ValueError(f"rope_scale must be a number >= 1, not {self.rope_scale!r}")
+            if self.rope_scaling == "none":
+                raise ValueError("rope_scale needs a rope scaling, not rope_scaling none")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ import os
 import shutil
 import socket
 import subprocess
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,10 @@ def test_bad_flag_values_exit_2():
     assert r.returncode == 2 and "--dtype" in r.stderr
     r = mashbox("run", "--weights", "int4", "--dtype", "float32")
     assert r.returncode == 2 and "--weights int4 runs in bfloat16" in r.stderr
+    r = mashbox("run", "--rope-scaling", "ntk")
+    assert r.returncode == 2 and "--rope-scaling" in r.stderr
+    r = mashbox("run", "--rope-scale", "two")
+    assert r.returncode == 2 and "--rope-scale" in r.stderr
 
 
 @pytest.mark.parametrize("flags, names", [
@@ -193,6 +199,10 @@ def test_bad_flag_values_exit_2():
     (("--port", "70000"), "--port"),
     (("--server-name", ""), "--server-name"),
     (("--host", "no-such-host.invalid"), "--host"),
+    (("--rope-scale", "0.5"), "--rope-scale"),
+    (("--rope-scale", "nan"), "--rope-scale"),
+    (("--rope-scale", "inf"), "--rope-scale"),
+    (("--rope-scaling", "none", "--rope-scale", "2"), "--rope-scale"),
 ])
 def test_bad_flag_values_exit_2_with_one_line_before_loading(flags, names, default_model_path):
     """One line on stderr, nothing loaded: no log line of the server or the worker."""
@@ -215,7 +225,8 @@ def test_help_lists_every_flag():
     r = mashbox("run", "--help")
     assert r.returncode == 0
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
-                 "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level"):
+                 "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level",
+                 "--rope-scaling", "--rope-scale"):
         assert flag in r.stdout, flag
 
 
@@ -236,3 +247,40 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
     r = mashbox("run", str(path))
     assert r.returncode == 2
     assert "unsupported architecture 'mistral'" in r.stderr and "GGUF" in r.stderr
+
+
+@pytest.mark.parametrize("flags, logged", [
+    ((), "WARNING mashbox.engine.runner: ctx 4096, trained length 2048: plain rope (no scaling)"),
+    (("--rope-scaling", "yarn"), "ctx 4096, trained length 2048: yarn rope scaling, factor 2 over "
+                                 "2048 original positions, attention factor 1.0693"),
+    (("--rope-scaling", "dynamic", "--rope-scale", "3"), "dynamic NTK rope scaling, factor 3"),
+])
+def test_ctx_past_the_trained_length_logs_the_rope_it_serves(tmp_path, flags, logged):
+    """`mashbox run --ctx` past the trained length: the flags reach the worker, which says
+    in the log what rope positions past the trained length get; then it serves."""
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
+    from tiny_model import make_tiny_llama
+
+    folder = make_tiny_llama(str(tmp_path / "tiny"))  # trained length 2048
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mashbox", "run", folder, "--port", str(port),
+                                 "--slots", "1", "--ctx", "4096", "--threads", "1", *flags],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "engine ready" not in log_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        text = log_path.read_text()
+        assert proc.poll() is None, text
+        assert logged in text, text
+        if not flags:  # the CLI's own warning names the flag that helps
+            assert "--rope-scaling yarn stretches it to fit" in text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, log_path.read_text()

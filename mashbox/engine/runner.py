@@ -67,9 +67,12 @@ class Runner:
             emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
             self.read_bytes_per_step = self.weight_bytes - emb_bytes  # embedding: a gather
         self.ctx = int(cfg.ctx or mc.max_position_embeddings)
-        if cfg.ctx and cfg.ctx > mc.max_position_embeddings:
-            log.warning("ctx %d is larger than the model's trained length %d",
-                        cfg.ctx, mc.max_position_embeddings)
+        # --rope-scaling / --rope-scale over the file's own scaling, before anything reads mc
+        self.model_config = mc = mc.with_rope_scaling(cfg.rope_scaling, cfg.rope_scale, self.ctx)
+        if self.ctx > mc.max_position_embeddings or mc.rope_type is not None:
+            plain_past = mc.rope_type is None  # the one case quality is known to drop
+            (log.warning if plain_past else log.info)(
+                "ctx %d, trained length %d: %s", self.ctx, mc.max_position_embeddings, mc.describe_rope())
         self.num_slots = cfg.slots
         # weights "dense" unless the config opts into weight-only int8 / int4
         self.weight_format = cfg.weights

@@ -26,7 +26,7 @@ from mashbox.model import quants
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import FusedLayout
 from mashbox.model.model_config import GGUF_ARCHITECTURES as _ARCHES
-from mashbox.model.model_config import ModelConfig
+from mashbox.model.model_config import ModelConfig, rope_params, yarn_mscale
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +152,12 @@ class GGUFWeights:
         if "token_embd.weight" not in shapes:
             raise ModelError(f"{self.path} lacks tensor token_embd.weight")
         vocab = shapes["token_embd.weight"][1]  # ggml lists dims innermost first: [hidden, vocab]
-        scaling = None
-        kind = self._meta(f"{a}.rope.scaling.type", "none")
-        if kind == "linear":
-            scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
-        elif kind not in ("none", None):
-            raise ModelError(f"unsupported rope scaling type {kind!r} in {self.path}")
+        context = int(need("context_length"))
+        scaling = self._rope_scaling(a, context, need)
         if "rope_freqs.weight" in names:
+            if scaling is not None:  # as before: the trained frequencies win
+                log.warning("%s: rope scaling %s ignored beside its rope_freqs tensor",
+                            self.path, scaling["rope_type"])
             factors = self._plain_tensor("rope_freqs.weight")
             scaling = {"rope_type": "freq_factors", "factors": tuple(float(x) for x in factors)}
         window = self._meta(f"{a}.attention.sliding_window")
@@ -174,12 +173,44 @@ class GGUFWeights:
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             rope_theta=float(self._meta(f"{a}.rope.freq_base", 10000.0)),
             rope_scaling=scaling,
-            max_position_embeddings=int(need("context_length")),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             sliding_window=int(window) if window else None,
         )
+
+    def _rope_scaling(self, a: str, context: int, need) -> Optional[dict]:
+        """rope.scaling.* as a ModelConfig rope_scaling dict (llama.cpp's meaning of each key).
+
+        linear: factor. yarn: factor, original_context_length (default: context_length),
+        yarn_beta_fast / yarn_beta_slow (default 32 / 1), and attn_factor, which llama.cpp
+        multiplies into YaRN's own 0.1 ln(factor) + 1 (default 1). yarn_ext_factor other
+        than llama.cpp's full ramp (1, or the -1 that means "default") and
+        yarn_log_multiplier (DeepSeek's mscale_all_dim) are refused, not ignored."""
+        kind = self._meta(f"{a}.rope.scaling.type", "none")
+        if kind in ("none", None):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        if kind != "yarn":
+            raise ModelError(f"unsupported rope scaling type {kind!r} in {self.path}; supported: "
+                             "none, linear, yarn")
+        ext = self._meta(f"{a}.rope.scaling.yarn_ext_factor")
+        if ext is not None and float(ext) not in (-1.0, 1.0):
+            raise ModelError(f"{self.path}: rope.scaling.yarn_ext_factor {ext} is not supported (only 1)")
+        if self._meta(f"{a}.rope.scaling.yarn_log_multiplier"):
+            raise ModelError(f"{self.path}: rope.scaling.yarn_log_multiplier is not supported")
+        factor = float(need("rope.scaling.factor"))
+        original = int(self._meta(f"{a}.rope.scaling.original_context_length", context))
+        attn = float(self._meta(f"{a}.rope.scaling.attn_factor", 1.0))
+        params = {"factor": factor, "original_max_position_embeddings": original,
+                  "attention_factor": attn * yarn_mscale(factor)}
+        for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            value = self._meta(f"{a}.rope.scaling.{name}")
+            if value is not None:
+                params[key] = float(value)
+        return rope_params("yarn", params, context)
 
     def _plain_tensor(self, name: str) -> np.ndarray:
         for t in self._reader.tensors:

@@ -40,7 +40,7 @@ def test_old_type_key_and_default_rope():
 
 
 @pytest.mark.parametrize("change, named", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
     ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "phi3"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"mlp_bias": True}, "mlp_bias"),
