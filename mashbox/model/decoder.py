@@ -245,7 +245,9 @@ class Decoder:
         return self.lm_head(last)[:rows].float()  # [rows, vocab]
 
     def _rope_table(self, length: int) -> RopeTable:
-        if self._rope is None or self._rope.length < length:
+        # Rebuilt for any other length, not only a longer one: dynamic NTK's frequencies
+        # depend on the table's length (the slot's ctx), so a longer table is not a superset.
+        if self._rope is None or self._rope.length != length:
             self._rope = RopeTable(self.config, length, self.dtype, self.device)
         return self._rope
 
