@@ -21,7 +21,8 @@ Rules:
   after the last, `end_frames(result)`. A writer whose opening must say what only the
   engine knows (Messages' message_start carries the prefix-cache hit) sets
   `start_waits_for_engine`: its start frames go out with the engine's first event, or
-  after heartbeat_s without one, whichever comes first; frames of pieces made before
+  after START_WAIT_S (1 s, heartbeat_s if shorter) without one, whichever comes first,
+  so a request queued behind a long prefill still hears from the server within a second; frames of pieces made before
   (a forced tool-call opening) wait behind them. `gen.output_sent` is set once a step's frames went out
   (start frames are not model output: the one retry is still allowed after them). With
   a `heartbeat_s`, `keepalive_frames()` goes out after that long without a frame. A
@@ -122,17 +123,24 @@ def build_prompt(api: ApiContext, request: ApiRequest) -> Prompt:
     return text_prompt(api, request.text, request.fields.max_tokens)
 
 
+START_WAIT_S = 1.0  # the longest start_waits_for_engine holds back a stream's first frames
+
+
 async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
     """A streamed answer's frames (see the module rules)."""
     last_sent = time.monotonic()
     heartbeat_s = writer.heartbeat_s
     started = not writer.start_waits_for_engine
     held: list[bytes] = []  # frames of pieces made before the start frames went out
+    # A waiting start gives up after START_WAIT_S (heartbeat_s if shorter): a client
+    # queued behind a long prefill still hears from the server within a second. The
+    # ticks stay that short; keep-alives still go out by heartbeat_s of silence.
+    tick = heartbeat_s if started else min(START_WAIT_S, heartbeat_s or START_WAIT_S)
     try:
         if started:
             for frame in writer.start_frames(gen.result):
                 yield frame
-        async for step in gen.steps(heartbeat_s=heartbeat_s):
+        async for step in gen.steps(heartbeat_s=tick):
             out: list[bytes] = []
             if step is not None:
                 out = writer.step_frames(step.pieces)
@@ -142,7 +150,7 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
                 if step is not None and step.event is None:
                     held += out  # the forced opening, parsed before the engine said anything
                     continue
-                # The engine answered (its event is in gen.result), or heartbeat_s passed.
+                # The engine answered (its event is in gen.result), or START_WAIT_S passed.
                 started = True
                 for frame in writer.start_frames(gen.result):
                     yield frame

@@ -14,7 +14,7 @@ import asyncio
 import orjson
 import pytest
 
-from mashbox.api import common, message_answer, messages
+from mashbox.api import common, message_answer, messages, pipeline
 from mashbox.api.app import load_text
 from mashbox.config import EngineConfig, ServerConfig, StepEvent, Timings
 from mashbox.engine.client import NotReady, QueueFull
@@ -132,6 +132,19 @@ def test_message_start_goes_out_before_a_silent_engine_answers_and_pings_keep_it
     # 0.55 s of silence at one ping per 0.1 s: several pings before the first block.
     assert names[:names.index("content_block_start")].count("ping") >= 4
     assert names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_message_start_waits_for_a_silent_engine_a_second_not_a_ping_interval(text_layer):
+    """At the shipped PING_S (10 s), an engine that says nothing for 3 s (a request queued
+    behind a long prefill): message_start goes out after pipeline.START_WAIT_S without the
+    engine's cache hit, instead of waiting for the engine; message_delta agrees with it."""
+    assert message_answer.PING_S > 3.0 > pipeline.START_WAIT_S
+    engine = replay_engine([3.0, {"started": True, "cached_tokens": 3}, finish("stop", "Hi", n=1, cached=3)])
+    api = make_api(text_layer, engine)
+    frames = run_stream(api, stream_body())
+    assert frames[0][0] == "message_start"
+    assert frames[0][1]["message"]["usage"]["cache_read_input_tokens"] == 0
+    assert frames[-2][0] == "message_delta" and frames[-2][1]["usage"]["cache_read_input_tokens"] == 0
 
 
 def test_mid_stream_error_is_an_error_event(text_layer):
