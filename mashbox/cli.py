@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--server-name", action="append", default=[], metavar="NAME",
                      help="a host name the server answers to besides its address and localhost "
                      "(repeatable; other Host headers get 403)")
+    run.add_argument("--alias", action="append", default=[], metavar="NAME",
+                     help="another model name to serve the model under (repeatable): listed in "
+                     "/v1/models and accepted as a request's model, as the client's configuration names it")
     run.add_argument("--slots", type=int, default=4,
                      help="requests decoded together, one KV cache slot each (default 4)")
     run.add_argument("--ctx", type=int, default=None,
@@ -178,6 +181,9 @@ def _flag_errors(args: argparse.Namespace) -> Optional[str]:
         return "--rope-scale needs a rope scaling, not --rope-scaling none"
     if not 0 < args.port < 65536:
         return "--port must be in 1..65535"
+    for name in args.alias:
+        if not name or name != name.strip() or any(c in name for c in "\r\n\t"):
+            return f"--alias {name!r} is not a model name (non-empty, no surrounding space)"
     for name in args.server_name:
         if not name or any(c.isspace() or c in "/@[]" for c in name):
             return f"--server-name {name!r} is not a host name"
@@ -214,7 +220,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     "tokens; --rope-scaling yarn stretches it to fit", args.ctx, mf.context_length,
                     mf.context_length)
     server = ServerConfig(host=args.host, port=args.port, api_keys=keys,
-                          server_names=tuple(args.server_name), ui=args.ui)
+                          server_names=tuple(args.server_name), ui=args.ui,
+                          aliases=tuple(dict.fromkeys(args.alias)))
     engine = EngineConfig(model_path=str(path), model_id=model_id, slots=args.slots, ctx=args.ctx,
                           dtype=args.dtype, device=args.device, prefill_chunk=args.prefill_chunk,
                           threads=args.threads, weights=args.weights,

@@ -182,6 +182,9 @@ class ServerConfig:
     api_keys: tuple[tuple[str, str], ...] = ()
     # Host header names the server answers to, besides its own address and localhost.
     server_names: tuple[str, ...] = ()
+    # Names the model is also served under (--alias), besides its id: listed in /v1/models,
+    # accepted in a request's `model`, and repeated in the answer to a request that used one.
+    aliases: tuple[str, ...] = ()
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     max_url_bytes: int = 8 * 1024

@@ -198,6 +198,8 @@ def test_bad_flag_values_exit_2():
     (("--port", "0"), "--port"),
     (("--port", "70000"), "--port"),
     (("--server-name", ""), "--server-name"),
+    (("--alias", ""), "--alias"),
+    (("--alias", " padded "), "--alias"),
     (("--host", "no-such-host.invalid"), "--host"),
     (("--rope-scale", "0.5"), "--rope-scale"),
     (("--rope-scale", "nan"), "--rope-scale"),
@@ -226,7 +228,7 @@ def test_help_lists_every_flag():
     assert r.returncode == 0
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
                  "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level",
-                 "--rope-scaling", "--rope-scale"):
+                 "--rope-scaling", "--rope-scale", "--alias"):
         assert flag in r.stdout, flag
 
 

@@ -220,7 +220,7 @@ def read_enable_thinking(body: dict) -> Optional[bool]:
 
 def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
-    common.check_model(body, api)
+    model = common.check_model(body, api)
     read_unsupported(body)
     stream = common.get_bool(body, "stream", False)
     opts = common.get_object(body, "stream_options", None)
@@ -231,11 +231,11 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
                         enable_thinking=read_enable_thinking(body), later_system="join")
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
-    return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage)
+    return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage, model=model)
 
 
 def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ChunkWriter:
-    return ChunkWriter(answer_id, common.now(), api.model_id, request.include_usage)
+    return ChunkWriter(answer_id, common.now(), request.model or api.model_id, request.include_usage)
 
 
 SURFACE = pipeline.Surface("/v1/chat/completions", OPENAI, "chatcmpl-", convert, writer)

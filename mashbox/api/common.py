@@ -79,6 +79,11 @@ class ApiContext:
         return (info.model_id if info is not None else "") or self.engine_config.model_id
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request may give as `model`: the id, then the --alias names."""
+        return (self.model_id,) + tuple(a for a in self.server_config.aliases if a != self.model_id)
+
+    @property
     def ready(self) -> bool:
         return self.engine.state == "ok"
 
@@ -153,15 +158,17 @@ def require_ready(api: ApiContext, family: str) -> None:
         raise not_ready_error(family)
 
 
-def check_model(body: dict, api: ApiContext) -> None:
-    """OpenAI routes: a model id other than the served one is 404; leaving it out is fine."""
+def check_model(body: dict, api: ApiContext) -> str:
+    """OpenAI routes: the model name the answer repeats. A name the server serves (its id
+    or an --alias) is repeated as given; none given is the id; any other name is 404."""
     model = body.get("model")
     if model is None:
-        return
+        return api.model_id
     if not isinstance(model, str):
         raise bad_request("model must be a string.", "model")
-    if model != api.model_id:
+    if model not in api.served_names:
         raise model_not_found(model, api.model_id)
+    return model
 
 
 # ---------------------------------------------------------------------------------------

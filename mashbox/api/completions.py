@@ -89,18 +89,18 @@ class CompletionWriter(OpenAIWriter):
 
 def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
-    common.check_model(body, api)
+    model = common.check_model(body, api)
     if body.get("logprobs") is not None:
         common.get_int(body, "logprobs", None)
         raise bad_request("logprobs is not supported (log probabilities are not computed).", "logprobs")
     stream = common.get_bool(body, "stream", False)
     text = read_prompt(body)
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
-    return ApiRequest(fields=fields, stream=stream, text=text)
+    return ApiRequest(fields=fields, stream=stream, text=text, model=model)
 
 
 def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> CompletionWriter:
-    return CompletionWriter(answer_id, common.now(), api.model_id, request.fields.sampling.seed)
+    return CompletionWriter(answer_id, common.now(), request.model or api.model_id, request.fields.sampling.seed)
 
 
 SURFACE = pipeline.Surface("/v1/completions", OPENAI, "cmpl-", convert, writer)

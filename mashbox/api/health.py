@@ -5,8 +5,9 @@ Rules:
   worker sent its ready frame, 503 with status "loading" before (and while a worker
   restarts). HEAD is answered by the same handlers (the protocol drops the body).
   With `--ui`, GET / is the chat page instead.
-- GET /v1/models lists the one model; GET /v1/models/{model} answers it when {model}
-  is its id, else 404 model_not_found. Figures the worker measures (context length,
+- GET /v1/models lists the one model, once under its id and once under each --alias;
+  GET /v1/models/{model} answers it when {model} is one of those names, else 404
+  model_not_found. Figures the worker measures (context length,
   weights, GB, bits per weight) come from its ready frame; before it, the configured
   values (context 0 when the model's own length is not known yet).
 - Health fields about caches and programs this build does not have are reported as
@@ -53,10 +54,12 @@ def health_json(api: ApiContext) -> dict:
     return body
 
 
-def model_json(api: ApiContext) -> dict:
+def model_json(api: ApiContext, name: str = "") -> dict:
+    """The Model object of the served model under `name` (one of api.served_names; the id
+    when not given)."""
     info = api.info
     model = {
-        "id": api.model_id,
+        "id": name or api.model_id,
         "object": "model",
         "owned_by": "mashbox-labs",
         "created": 0,
@@ -89,13 +92,13 @@ def routes(api: ApiContext) -> list:
         return await health(req)
 
     async def models(req):
-        return json_response({"object": "list", "data": [model_json(api)]})
+        return json_response({"object": "list", "data": [model_json(api, name) for name in api.served_names]})
 
     async def one_model(req):
         name = req.params.get("model", "")
-        if name != api.model_id:
+        if name not in api.served_names:
             raise model_not_found(name, api.model_id)
-        return json_response(model_json(api))
+        return json_response(model_json(api, name))
 
     return [
         ("GET", "/v1/health", health, OPENAI),

@@ -395,15 +395,17 @@ def echo_fields(body: dict) -> dict:
 
 def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
-    common.check_model(body, api)
+    model = common.check_model(body, api)
     conv, refs = to_conversation(body)
     stream = common.get_bool(body, "stream", False)
     fields = common.read_sampling(body, ("max_output_tokens", "max_completion_tokens", "max_tokens"))
-    return ApiRequest(fields=fields, stream=stream, conversation=conv, echo=echo_fields(body), tool_refs=refs)
+    return ApiRequest(fields=fields, stream=stream, conversation=conv, echo=echo_fields(body), tool_refs=refs,
+                      model=model)
 
 
 def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ResponseStream:
-    return ResponseStream(answer_id, api.model_id, common.now(), request.echo, request.tool_refs, api.tokenizer)
+    return ResponseStream(answer_id, request.model or api.model_id, common.now(), request.echo, request.tool_refs,
+                          api.tokenizer)
 
 
 SURFACE = pipeline.Surface("/v1/responses", OPENAI, "resp_", convert, writer)
