@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from engine_harness import chat, collect, req, run_default  # noqa: E402
+from engine_harness import chat, collect, first_event, req, run_default  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +71,39 @@ def test_prefix_reuse_of_a_1000_token_prefix(default_model_path, tok):
     assert b[2].timings.cache_n == 1000
     assert b[2].timings.prompt_n == len(second) - 1000  # only the new tokens
     assert stats["prefix_cache_lookups"] == 2 and stats["prefix_cache_hit_tokens"] == 1000
+
+
+def test_a_retry_after_a_cancelled_prefill_resumes_where_it_stopped(default_model_path, tok):
+    """K/V that a request computed before its client went away mid-prefill stays in its
+    slot, so the client's identical retry (a new request id) prefills only the rest.
+    Request b decodes beside a's prefill: each of b's tokens after a arrived is a step
+    that also prefilled a chunk of a, so three of them mean at least two chunks ran."""
+    text = ("The lighthouse keeper climbed the stairs every evening, counting the steps, "
+            "watching the sea change colour as the sun went down over the harbour. ") * 150
+    long = tok.encode(text)[:1800]  # ctx 2048
+    assert len(long) == 1800
+
+    async def main(client):
+        b = client.submit(req("b", chat(tok, "Count to one hundred."), 200, ignore_eos=True))
+        await first_event(b, want_tokens=True)
+        a = client.submit(req("a", long, 4))
+        seen = 0
+        async for ev in b:
+            seen += len(ev.token_ids)
+            if seen >= 3:
+                break
+        a.cancel()
+        cancelled = await collect(a)
+        retry = await collect(client.submit(req("a2", long, 4)))
+        b.cancel()
+        await collect(b)
+        cold = await collect(client.submit(req("a3", long[:-1] + [long[0]], 4)))  # a miss at the end
+        return cancelled, retry, cold
+
+    cancelled, retry, cold = run_default(main, default_model_path, slots=3, prefill_chunk=256)
+    assert cancelled.final.finish_reason == "cancelled" and cancelled.ids == []
+    t = retry.final.timings
+    assert t.cache_n >= 256, t  # at least one chunk of the cancelled prefill was kept...
+    assert t.cache_n < len(long) and t.prompt_n == len(long) - t.cache_n  # ...and only the rest ran
+    assert retry.final.finish_reason == "length" and len(retry.ids) == 4
+    assert cold.final.timings.cache_n >= t.cache_n  # the kept K/V serves a later prefix too
