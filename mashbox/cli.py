@@ -84,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="most prompt tokens prefilled in one step, over all requests (default 512)")
     run.add_argument("--threads", type=int, default=None,
                      help="torch threads in the worker, at least 1 (default: torch's choice)")
+    run.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                     help="on SIGTERM / SIGINT, seconds running requests may take to finish, >= 0 "
+                     "(default 10); then open streams end with their error event and other "
+                     "requests get 503 / 529")
     run.add_argument("--ui", action="store_true", help="serve the chat page at /")
     run.add_argument("--log-level", default="info",
                      choices=("debug", "info", "warning", "error"), help="log level (default info)")
@@ -179,6 +183,8 @@ def _flag_errors(args: argparse.Namespace) -> Optional[str]:
         return "--rope-scale must be a number >= 1"
     if args.rope_scale is not None and args.rope_scaling == "none":
         return "--rope-scale needs a rope scaling, not --rope-scaling none"
+    if not 0.0 <= args.shutdown_grace < float("inf"):
+        return "--shutdown-grace must be a number of seconds >= 0"
     if not 0 < args.port < 65536:
         return "--port must be in 1..65535"
     for name in args.alias:
@@ -220,7 +226,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
                     "tokens; --rope-scaling yarn stretches it to fit", args.ctx, mf.context_length,
                     mf.context_length)
     server = ServerConfig(host=args.host, port=args.port, api_keys=keys,
-                          server_names=tuple(args.server_name), ui=args.ui,
+                          server_names=tuple(args.server_name),
+                          shutdown_grace_s=args.shutdown_grace, ui=args.ui,
                           aliases=tuple(dict.fromkeys(args.alias)))
     engine = EngineConfig(model_path=str(path), model_id=model_id, slots=args.slots, ctx=args.ctx,
                           dtype=args.dtype, device=args.device, prefill_chunk=args.prefill_chunk,

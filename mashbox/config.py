@@ -193,6 +193,9 @@ class ServerConfig:
     heartbeat_s: float = 15.0  # SSE comment after this long without a chunk
     max_waiting_per_tenant: int = 32
     max_waiting_total: int = 256
+    # On SIGTERM / SIGINT: how long running requests may go on to finish; then each open
+    # stream ends with its route's error event, each other request gets 503 / 529.
+    shutdown_grace_s: float = 10.0
     ui: bool = False
 
     @property
