@@ -17,6 +17,13 @@ Readiness: the engine client starts the worker in the background; until its read
 frame, health answers 503 `loading` and every generating route 503 (OpenAI) / 529
 (Anthropic) with Retry-After (common.require_ready). The tokenizer and chat template
 load in this process from the same model path (no torch here).
+
+Shutdown (SIGTERM / SIGINT, or `stop` set): the listener closes at once (new
+connections are refused) and generating requests that still arrive on open connections
+get 503 / 529 (pipeline.Shutdown.drain); running requests have
+ServerConfig.shutdown_grace_s to finish; then open streams end with their route's error
+event and terminator and non-streamed requests answer 503 / 529 (Shutdown.end, called by
+http/server.py's close); then the engine stops and serve_async returns 0.
 """
 from __future__ import annotations
 
@@ -135,7 +142,15 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     try:
         await stop.wait()
     finally:
-        await server.close()
+        from mashbox.api.pipeline import forget_shutdown, shutdown_of
+
+        shutdown = shutdown_of(api)
+        shutdown.drain()
+        log.info("shutting down: running requests have %g s to finish", server_config.shutdown_grace_s)
+        try:
+            await server.close(server_config.shutdown_grace_s, end=shutdown.end)
+        finally:
+            forget_shutdown(api)
         if not engine_task.done():
             engine_task.cancel()
         try:

@@ -29,6 +29,14 @@ Rules:
   failure after the stream started becomes `fail_frames(message)` and the stream ends
   there: a worker failure says "failed on the device", a bug here "failed while
   streaming" (and is logged).
+- Shutdown (`Shutdown`, one per ApiContext, `shutdown_of(api)`; app.py drives it):
+  `drain()` at SIGTERM / SIGINT: a generating request that arrives after it gets the
+  family's 503 server_error (code server_shutting_down) / 529 overloaded_error, with
+  x-should-retry; running ones go on. `end()` when the grace period is over: each open
+  stream's frames stop at once and end with `fail_frames("The server is shutting
+  down ...")` (behind its start frames when these had not gone out), and each
+  non-streamed request still running answers that same 503 / 529; their engine
+  requests are cancelled. A stream races each engine step against `end()`.
 """
 from __future__ import annotations
 
@@ -43,7 +51,7 @@ from mashbox.api import common
 from mashbox.api.common import ApiContext, SamplingFields
 from mashbox.api.generation import EventStream, Generation, GenerationError, Piece, Result
 from mashbox.api.prompt import Conversation, Prompt, chat_prompt, text_prompt
-from mashbox.http.response import json_response
+from mashbox.http.response import HTTPError, json_response
 from mashbox.http.sse import StreamResponse
 
 log = logging.getLogger("mashbox.api")
@@ -102,6 +110,93 @@ class Surface:
     tool_id_prefix: str = "call_"
 
 
+class Shutdown:
+    """The shutdown state of one served ApiContext (see the module rules)."""
+
+    def __init__(self):
+        self.draining = False
+        self._ended: Optional[asyncio.Future] = None
+
+    def ended(self) -> asyncio.Future:
+        """A future of the running loop, done once `end()` was called."""
+        if self._ended is None:
+            self._ended = asyncio.get_running_loop().create_future()
+        return self._ended
+
+    def drain(self) -> None:
+        self.draining = True
+
+    def end(self) -> None:
+        self.draining = True
+        fut = self.ended()
+        if not fut.done():
+            fut.set_result(None)
+
+    def check(self, family: str) -> None:
+        if self.draining:
+            raise shutting_down_error(family)
+
+
+SHUTTING_DOWN = "The server is shutting down; retry later."
+_shutdowns: dict[int, tuple[ApiContext, Shutdown]] = {}
+
+
+def shutdown_of(api: ApiContext) -> Shutdown:
+    """The Shutdown of `api` (made on first use; app.py forgets it when it stops serving)."""
+    entry = _shutdowns.get(id(api))
+    if entry is None or entry[0] is not api:
+        entry = _shutdowns[id(api)] = (api, Shutdown())
+    return entry[1]
+
+
+def forget_shutdown(api: ApiContext) -> None:
+    entry = _shutdowns.get(id(api))
+    if entry is not None and entry[0] is api:
+        del _shutdowns[id(api)]
+
+
+def shutting_down_error(family: str) -> HTTPError:
+    """503 server_error (OpenAI) / 529 overloaded_error (Anthropic), with x-should-retry."""
+    headers = {"retry-after": str(common.RETRY_AFTER_LOADING_S), "x-should-retry": "true"}
+    if family == common.ANTHROPIC:
+        return HTTPError(529, SHUTTING_DOWN, "overloaded_error", headers=headers)
+    return HTTPError(503, SHUTTING_DOWN, "server_error", code="server_shutting_down", headers=headers)
+
+
+class _Ended(Exception):
+    """Shutdown.end() came while a request was running."""
+
+
+async def _until_ended(steps: AsyncIterator[T], ended: asyncio.Future) -> AsyncIterator[T]:
+    """`steps`, each item raced against `ended` (which raises _Ended and closes `steps`)."""
+    it = steps.__aiter__()
+    try:
+        while True:
+            if ended.done():
+                raise _Ended()
+            pending = asyncio.ensure_future(it.__anext__())
+            try:
+                await asyncio.wait((pending, ended), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not pending.done():
+                    pending.cancel()
+                    try:
+                        await pending
+                    except BaseException:  # the cancellation (or what the cancelled step raised)
+                        pass
+            if not pending.done() or pending.cancelled():
+                raise _Ended()
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        close = getattr(it, "aclose", None)
+        if close is not None:
+            await close()
+
+
 BIG_BODY_BYTES = 1 << 20
 PROMPT_THREADS = 2  # big prompts prepared at once; the server process has few cores to spare
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -126,8 +221,8 @@ def build_prompt(api: ApiContext, request: ApiRequest) -> Prompt:
 START_WAIT_S = 1.0  # the longest start_waits_for_engine holds back a stream's first frames
 
 
-async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
-    """A streamed answer's frames (see the module rules)."""
+async def frames(gen: Generation, writer: Writer, ended: Optional[asyncio.Future] = None) -> AsyncIterator[bytes]:
+    """A streamed answer's frames (see the module rules); `ended`: Shutdown.ended()."""
     last_sent = time.monotonic()
     heartbeat_s = writer.heartbeat_s
     started = not writer.start_waits_for_engine
@@ -140,7 +235,10 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
         if started:
             for frame in writer.start_frames(gen.result):
                 yield frame
-        async for step in gen.steps(heartbeat_s=tick):
+        steps = gen.steps(heartbeat_s=tick)
+        if ended is not None:
+            steps = _until_ended(steps, ended)
+        async for step in steps:
             out: list[bytes] = []
             if step is not None:
                 out = writer.step_frames(step.pieces)
@@ -169,6 +267,10 @@ async def frames(gen: Generation, writer: Writer) -> AsyncIterator[bytes]:
                 last_sent = time.monotonic()
             if step is not None and step.finished:
                 return
+    except _Ended:
+        gen.cancel()
+        for frame in _failed(writer, started, gen, SHUTTING_DOWN):
+            yield frame
     except GenerationError as exc:
         for frame in _failed(writer, started, gen, f"The request failed on the device: {exc}"):
             yield frame
@@ -193,18 +295,35 @@ def handler(api: ApiContext, surface: Surface):
         request = surface.convert(api, body)
         return request, build_prompt(api, request)
 
+    shutdown = shutdown_of(api)
+
     async def handle(req):
+        shutdown.check(surface.family)
         common.require_ready(api, surface.family)
         request, prompt = await off_loop(req, lambda: prepare(req))
+        shutdown.check(surface.family)
         answer_id = common.new_id(surface.id_prefix)
         gen = Generation(api, prompt, request.fields, surface.family, tenant=req.tenant, request_id=answer_id,
                          tool_id_prefix=surface.tool_id_prefix)
         gen.submit()
         writer = surface.writer(api, request, prompt, answer_id)
+        ended = shutdown.ended()
         if request.stream:
-            return StreamResponse(EventStream(frames(gen, writer), gen))
-        result = await gen.run(writer.collect)
-        return json_response(writer.whole(result))
+            return StreamResponse(EventStream(frames(gen, writer, ended), gen))
+        run = asyncio.ensure_future(gen.run(writer.collect))
+        try:
+            await asyncio.wait((run, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not run.done():  # the shutdown's end, or this handler was cancelled
+                run.cancel()
+                try:
+                    await run
+                except BaseException:
+                    pass
+                gen.cancel()
+        if run.cancelled():
+            raise shutting_down_error(surface.family)
+        return json_response(writer.whole(run.result()))
 
     return handle
 

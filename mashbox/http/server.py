@@ -2,20 +2,30 @@
 
 The caller owns the event loop (api/app.py installs uvloop and runs it). `serve()`
 checks the bind rule (no non-loopback host without keys), listens, and returns a
-`Server` whose `close()` stops listening, closes idle connections and, after a grace
-period, aborts the rest (which cancels their handlers and streams).
+`Server` whose `close(grace_s, end)` shuts down in this order:
+
+  1. stop listening at once (a new connection is refused by the kernel) and close every
+     idle connection; a connection is closed as soon as its running answer is written;
+  2. wait up to grace_s for the running answers to finish;
+  3. call `end()` (the api's Shutdown.end: open streams write their error event and
+     terminator, non-streamed requests their 503 / 529) and wait up to END_S more for
+     those answers to be written;
+  4. abort whatever is left (a client that reads nothing), which cancels its handler.
 """
 from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Optional
+from typing import Callable, Optional
 
 from mashbox.config import ServerConfig
 
 from .limits import BodyBudget, Limits
 from .protocol import HttpProtocol
 from .security import check_bind
+
+END_S = 2.0  # after end(): time for the final frames / 503s to be written before the abort
+POLL_S = 0.02
 
 
 class Server:
@@ -48,16 +58,28 @@ class Server:
             )
         return self
 
-    async def close(self, grace_s: float = 5.0) -> None:
-        if self._server is None:
-            return
-        self._server.close()
+    def _close_idle(self) -> None:
         for conn in list(self.connections):
             if conn.task is None and not conn.pipeline:
                 conn._close()
-        deadline = self._loop.time() + grace_s
-        while self.connections and self._loop.time() < deadline:
-            await asyncio.sleep(0.05)
+
+    async def _wait_connections(self, seconds: float) -> None:
+        deadline = self._loop.time() + seconds
+        while True:
+            self._close_idle()
+            if not self.connections or self._loop.time() >= deadline:
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def close(self, grace_s: float = 5.0, end: Optional[Callable[[], None]] = None) -> None:
+        """Shut down (the module's steps); `end` None skips step 3."""
+        if self._server is None:
+            return
+        self._server.close()
+        await self._wait_connections(grace_s)
+        if self.connections and end is not None:
+            end()
+            await self._wait_connections(END_S)
         for conn in list(self.connections):
             conn._abort()
         await self._server.wait_closed()
