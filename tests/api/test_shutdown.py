@@ -1,6 +1,7 @@
 """Graceful shutdown (issue 10 item 6), on a real socket: the real app (router, guard,
 routes, http server) in a thread via app.serve_async, with a scripted engine whose
-answers run as long as a test needs; and `python -m mashbox run` for the flag.
+answers run as long as a test needs; and `python -m mashbox run` (the real worker, a
+real SIGTERM) for the flag and one end-to-end case.
 
 What is checked: once stop is set (what SIGTERM / SIGINT set), the listener is closed at
 once; a request that finishes within the grace period is answered normally; when the
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -182,13 +185,13 @@ class Streamed:
     """A streamed request in a thread: `first` is set once its first frame arrived; `text`
     is all it received once `done` is set."""
 
-    def __init__(self, base_url: str, route: str, tag: str):
+    def __init__(self, url: str, request: dict):
         self.first = threading.Event()
         self.done = threading.Event()
         self.status = 0
         self.text = ""
         self.error: Optional[BaseException] = None
-        self._args = (base_url + ROUTES[route][0], body(route, True, tag))
+        self._args = (url, request)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -214,11 +217,11 @@ class Streamed:
 class Whole:
     """A non-streamed request in a thread."""
 
-    def __init__(self, base_url: str, route: str, tag: str):
+    def __init__(self, url: str, request: dict):
         self.done = threading.Event()
         self.response: Optional[httpx.Response] = None
         self.error: Optional[BaseException] = None
-        self._args = (base_url + ROUTES[route][0], body(route, False, tag))
+        self._args = (url, request)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -234,6 +237,14 @@ class Whole:
         assert self.done.wait(DEADLINE_S), "no answer"
         assert self.error is None, f"no answer: {self.error!r}"
         return self.response
+
+
+def streamed(base_url: str, route: str, tag: str) -> Streamed:
+    return Streamed(base_url + ROUTES[route][0], body(route, True, tag))
+
+
+def whole(base_url: str, route: str, tag: str) -> Whole:
+    return Whole(base_url + ROUTES[route][0], body(route, False, tag))
 
 
 def submitted(engine: ScriptedEngine, n: int) -> bool:
@@ -270,9 +281,9 @@ def test_after_the_grace_period_streams_end_with_their_error_event_and_requests_
         stream_route, whole_route, default_model_path):
     engine = GatedEngine(tag_script(None), ctx=256)  # answers that never end
     with Served(engine, default_model_path, grace_s=0.0) as server:
-        s = Streamed(server.base_url, stream_route, "stream")
+        s = streamed(server.base_url, stream_route, "stream")
         assert s.first.wait(DEADLINE_S)
-        w = Whole(server.base_url, whole_route, "whole")
+        w = whole(server.base_url, whole_route, "whole")
         wait_until(lambda: submitted(engine, 2), "both requests to reach the engine")
         server.stop()
         text = s.wait()
@@ -300,9 +311,9 @@ def test_requests_that_finish_within_the_grace_period_complete_normally(default_
     gate = Gate()
     engine = GatedEngine(tag_script(gate), ctx=256)
     with Served(engine, default_model_path, grace_s=DEADLINE_S) as server:
-        s = Streamed(server.base_url, "chat", "stream")
+        s = streamed(server.base_url, "chat", "stream")
         assert s.first.wait(DEADLINE_S)
-        w = Whole(server.base_url, "messages", "whole")
+        w = whole(server.base_url, "messages", "whole")
         wait_until(lambda: submitted(engine, 2), "both requests to reach the engine")
         server.stop()
         wait_until(lambda: refused(server.port), "the listener to close")  # new connections: refused
@@ -362,3 +373,52 @@ def test_help_names_the_shutdown_grace():
     r = subprocess.run([sys.executable, "-m", "mashbox", "run", "--help"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "--shutdown-grace" in r.stdout
+
+
+def test_sigterm_on_the_real_server_ends_a_stream_and_answers_a_running_request(default_model_path, tmp_path):
+    """`python -m mashbox run --shutdown-grace 0` with the real worker: SIGTERM while a
+    stream and a non-streamed request are decoding."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mashbox", "run", default_model_path, "--port", str(port),
+                                 "--slots", "2", "--ctx", "2048", "--threads", "1", "--shutdown-grace", "0"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # the model loads: polled with a deadline
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        long = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500, "temperature": 0}
+        stream = Streamed(base + "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": "Count from 1 to 1000, one number a line."}],
+                           "max_tokens": 1500, "temperature": 0, "stream": True})
+        running = Whole(base + "/v1/completions", long)
+        wait_until(lambda: '"content"' in stream.text, "the stream's first content")
+
+        def both_decoding() -> bool:
+            h = httpx.get(base + "/health", timeout=5).json()
+            return h["live_rows"] >= 2
+
+        wait_until(both_decoding, "both requests to decode")
+        assert not running.done.is_set()
+        proc.send_signal(signal.SIGTERM)
+        text = stream.wait()
+        r = running.wait()
+        assert proc.wait(DEADLINE_S) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    fr = frames_of(text)
+    assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
