@@ -23,7 +23,8 @@ connections are refused) and generating requests that still arrive on open conne
 get 503 / 529 (pipeline.Shutdown.drain); running requests have
 ServerConfig.shutdown_grace_s to finish; then open streams end with their route's error
 event and terminator and non-streamed requests answer 503 / 529 (Shutdown.end, called by
-http/server.py's close); then the engine stops and serve_async returns 0.
+http/server.py's close; a second SIGTERM / SIGINT calls it at once); then the engine
+stops and serve_async returns 0.
 """
 from __future__ import annotations
 
@@ -110,11 +111,21 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     api = make_context(server_config, engine_config, engine, tokenizer, template)
     router = build_router(api, make_guard(server_config))
 
+    from mashbox.api.pipeline import shutdown_of
+
+    shutdown = shutdown_of(api)
+
+    def on_signal() -> None:
+        # The first signal starts the shutdown; a second one ends the grace period now.
+        if stop.is_set():
+            shutdown.end()
+        stop.set()
+
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
                 pass
 
@@ -142,15 +153,9 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     try:
         await stop.wait()
     finally:
-        from mashbox.api.pipeline import forget_shutdown, shutdown_of
-
-        shutdown = shutdown_of(api)
         shutdown.drain()
         log.info("shutting down: running requests have %g s to finish", server_config.shutdown_grace_s)
-        try:
-            await server.close(server_config.shutdown_grace_s, end=shutdown.end)
-        finally:
-            forget_shutdown(api)
+        await server.close(server_config.shutdown_grace_s, end=shutdown.end)
         if not engine_task.done():
             engine_task.cancel()
         try:

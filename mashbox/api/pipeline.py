@@ -44,6 +44,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar
 
@@ -138,21 +139,16 @@ class Shutdown:
 
 
 SHUTTING_DOWN = "The server is shutting down; retry later."
-_shutdowns: dict[int, tuple[ApiContext, Shutdown]] = {}
+_shutdowns: dict[int, Shutdown] = {}  # id(api) -> its Shutdown, dropped when the api is collected
 
 
 def shutdown_of(api: ApiContext) -> Shutdown:
-    """The Shutdown of `api` (made on first use; app.py forgets it when it stops serving)."""
-    entry = _shutdowns.get(id(api))
-    if entry is None or entry[0] is not api:
-        entry = _shutdowns[id(api)] = (api, Shutdown())
-    return entry[1]
-
-
-def forget_shutdown(api: ApiContext) -> None:
-    entry = _shutdowns.get(id(api))
-    if entry is not None and entry[0] is api:
-        del _shutdowns[id(api)]
+    """The Shutdown of `api` (one per ApiContext, made on first use)."""
+    shutdown = _shutdowns.get(id(api))
+    if shutdown is None:
+        shutdown = _shutdowns[id(api)] = Shutdown()
+        weakref.finalize(api, _shutdowns.pop, id(api), None)
+    return shutdown
 
 
 def shutting_down_error(family: str) -> HTTPError:

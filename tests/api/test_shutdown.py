@@ -375,34 +375,53 @@ def test_help_names_the_shutdown_grace():
     assert r.returncode == 0 and "--shutdown-grace" in r.stdout
 
 
-def test_sigterm_on_the_real_server_ends_a_stream_and_answers_a_running_request(default_model_path, tmp_path):
-    """`python -m mashbox run --shutdown-grace 0` with the real worker: SIGTERM while a
-    stream and a non-streamed request are decoding."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "mashbox", "run", default_model_path, "--port", str(port),
-                                 "--slots", "2", "--ctx", "2048", "--threads", "1", "--shutdown-grace", "0"],
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
+class RealServer:
+    """`python -m mashbox run <default model> --shutdown-grace G` with the real worker."""
+
+    def __init__(self, model_path: str, tmp_path, grace: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.log_path = tmp_path / "server.log"
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mashbox", "run", model_path, "--port", str(self.port), "--slots", "2",
+                 "--ctx", "2048", "--threads", "1", "--shutdown-grace", grace],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def __enter__(self) -> "RealServer":
         deadline = time.monotonic() + 300
         while True:  # the model loads: polled with a deadline
-            assert proc.poll() is None, log_path.read_text()
+            assert self.proc.poll() is None, self.log()
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, log_path.read_text()
+            assert time.monotonic() < deadline, self.log()
             time.sleep(0.2)
-        long = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500, "temperature": 0}
-        stream = Streamed(base + "/v1/chat/completions",
-                          {"messages": [{"role": "user", "content": "Count from 1 to 1000, one number a line."}],
-                           "max_tokens": 1500, "temperature": 0, "stream": True})
-        running = Whole(base + "/v1/completions", long)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+COUNT = {"messages": [{"role": "user", "content": "Count from 1 to 1000, one number a line."}],
+         "max_tokens": 1500, "temperature": 0, "stream": True}
+
+
+def test_sigterm_on_the_real_server_ends_a_stream_and_answers_a_running_request(default_model_path, tmp_path):
+    """--shutdown-grace 0: SIGTERM while a stream and a non-streamed request are decoding."""
+    with RealServer(default_model_path, tmp_path, "0") as server:
+        base = server.base_url
+        stream = Streamed(base + "/v1/chat/completions", COUNT)
+        running = Whole(base + "/v1/completions",
+                        {"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1500, "temperature": 0})
         wait_until(lambda: '"content"' in stream.text, "the stream's first content")
 
         def both_decoding() -> bool:
@@ -411,14 +430,28 @@ def test_sigterm_on_the_real_server_ends_a_stream_and_answers_a_running_request(
 
         wait_until(both_decoding, "both requests to decode")
         assert not running.done.is_set()
-        proc.send_signal(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
         text = stream.wait()
         r = running.wait()
-        assert proc.wait(DEADLINE_S) == 0, log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        assert server.proc.wait(DEADLINE_S) == 0, server.log()
     fr = frames_of(text)
     assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+
+
+def test_a_stream_goes_on_during_the_grace_and_a_second_sigterm_ends_it(default_model_path, tmp_path):
+    """--shutdown-grace 600: after SIGTERM new connections are refused and the stream keeps
+    receiving tokens; a second SIGTERM ends it with its error event, and the server exits 0."""
+    with RealServer(default_model_path, tmp_path, "600") as server:
+        stream = Streamed(server.base_url + "/v1/chat/completions", COUNT)
+        wait_until(lambda: '"content"' in stream.text, "the stream's first content")
+        server.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: refused(server.port), "the listener to close")
+        seen = len(stream.text)
+        wait_until(lambda: len(stream.text) > seen, "more of the stream after SIGTERM")
+        assert not stream.done.is_set()
+        server.proc.send_signal(signal.SIGTERM)
+        text = stream.wait()
+        assert server.proc.wait(DEADLINE_S) == 0, server.log()
+    fr = frames_of(text)
+    assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
