@@ -228,7 +228,7 @@ def test_help_lists_every_flag():
     assert r.returncode == 0
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
                  "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level",
-                 "--rope-scaling", "--rope-scale", "--alias"):
+                 "--rope-scaling", "--rope-scale", "--alias", "--shutdown-grace"):
         assert flag in r.stdout, flag
 
 
