@@ -339,20 +339,10 @@ def test_431_headers_too_large(srv):
 def head_then_wait(srv, head: bytes, timeout: float = 10.0) -> bytes:
     """Send only a request's head (its body never comes) and read what the server answers
     until it closes; the recv timeout fails the test when the server waits for the body."""
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=timeout) as s:
-        s.sendall(head)
-        out = b""
-        while True:
-            try:
-                b = s.recv(65536)
-            except ConnectionResetError:
-                break
-            except socket.timeout:
-                raise AssertionError(f"no answer before the body; got {out!r}") from None
-            if not b:
-                return out
-            out += b
-        return out
+    try:
+        return raw_exchange(srv, head, timeout)
+    except socket.timeout:
+        raise AssertionError("no answer before the body: the server waited for it") from None
 
 
 def post_head(srv, path: str, extra: str, host: str | None = None, length: int = 4000) -> bytes:
