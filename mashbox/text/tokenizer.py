@@ -112,7 +112,7 @@ class Tokenizer:
     # -- encoding -----------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Ids of `text` as plain text (special-token strings stay characters)."""
-        ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
+        ids = _ids(self._plain, text) if text else []
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
@@ -135,7 +135,7 @@ class Tokenizer:
                 ids.append(tid)
             elif text:
                 tok = self._plain if at_start else self._plain_cont
-                ids.extend(tok.encode(text, add_special_tokens=False).ids)
+                ids.extend(_ids(tok, text))
             at_start = False
         return ids
 
@@ -163,6 +163,19 @@ class Tokenizer:
             if value is not None:
                 out[name] = value
         return out
+
+
+# HF tokenizers' `encode` holds the GIL for its whole run (4 s for 5 MB of text here: every
+# other connection waits); `encode_batch` releases it. Below this size the batch call's
+# overhead is not worth it and the hold is under a millisecond.
+GIL_FREE_CHARS = 16384
+
+
+def _ids(tok: HFTokenizer, text: str) -> list[int]:
+    """Ids of `text` without special tokens; big texts are encoded with the GIL released."""
+    if len(text) < GIL_FREE_CHARS:
+        return tok.encode(text, add_special_tokens=False).ids
+    return tok.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 # -- loading --------------------------------------------------------------------------------
