@@ -52,6 +52,18 @@ int mb_sample(float *logits, int32_t rows, int32_t vocab, const float *params,
               const int32_t *hist_gen_start, int32_t *out_ids, void *scratch,
               size_t scratch_bytes);
 
+/* Log probabilities for the API (per row, after mb_sample on the same logits, so they are
+ * the penalised logits the sampler saw, before temperature): log-softmax in double.
+ * logits:           float[rows * vocab] as mb_sample left them (read only)
+ * ids:              int32[rows], the chosen token of each row, in [0, vocab)
+ * top_n:            0 .. MB_MAX_TOP_LOGPROBS (and <= vocab)
+ * out_logprobs:     float[rows], the chosen token's log probability (-inf: none)
+ * out_top_ids:      int32[rows * top_n], the top_n best ids, logit descending, id ascending
+ * out_top_logprobs: float[rows * top_n], their log probabilities */
+#define MB_MAX_TOP_LOGPROBS 20
+int mb_logprobs(const float *logits, int32_t rows, int32_t vocab, const int32_t *ids, int32_t top_n,
+                float *out_logprobs, int32_t *out_top_ids, float *out_top_logprobs);
+
 /* Stop matching on UTF-8 bytes. stops: the stop strings' bytes one after another,
  * string i at stops[stop_offsets[i] .. stop_offsets[i+1]) (empty ones never match).
  * buf: held-back bytes then new bytes, len in all; matches ending at or before

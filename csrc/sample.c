@@ -324,3 +324,49 @@ int mb_sample(float *logits, int32_t rows, int32_t vocab, const float *params,
     }
     return MB_OK;
 }
+
+/* Log probabilities of one row, for the API's logprobs: log-softmax in double of the
+ * logits exactly as the sampler left them (penalised, NaN -> -inf, before temperature
+ * and the filters): lse = xmax + log(sum exp(x - xmax)), logprob(i) = float(x[i] - lse);
+ * -inf and NaN logits give -inf, and a row with no finite logit gives -inf everywhere.
+ * The top_n best tokens in (x descending, id ascending) order, kept in a small sorted
+ * list: a later id enters only with a strictly larger x, so ties keep the lower id. */
+static void logprobs_row(const float *x, int32_t vocab, int32_t id, int32_t top_n,
+                         float *out_lp, int32_t *top_ids, float *top_lp) {
+    double xmax = -INFINITY;
+    for (int32_t i = 0; i < vocab; i++)
+        if (x[i] > xmax) xmax = x[i];
+    double lse = -INFINITY;
+    if (xmax > -INFINITY) {
+        double sum = 0.0;
+        for (int32_t i = 0; i < vocab; i++)
+            if (x[i] > -INFINITY) sum += exp((double)x[i] - xmax);
+        lse = xmax + log(sum);
+    }
+    float xi = x[id];
+    *out_lp = (xi > -INFINITY && lse > -INFINITY) ? (float)((double)xi - lse) : -INFINITY;
+    int32_t n = 0;
+    float best[MB_MAX_TOP_LOGPROBS];
+    for (int32_t i = 0; i < vocab && top_n > 0; i++) {
+        float v = x[i] > -INFINITY ? x[i] : -INFINITY; /* NaN ranks as -inf */
+        if (n == top_n && !(v > best[n - 1])) continue;
+        int32_t j = n < top_n ? n++ : n - 1; /* the free place, or the worst one's */
+        while (j > 0 && best[j - 1] < v) { best[j] = best[j - 1]; top_ids[j] = top_ids[j - 1]; j--; }
+        best[j] = v;
+        top_ids[j] = i;
+    }
+    for (int32_t j = 0; j < n; j++)
+        top_lp[j] = (best[j] > -INFINITY && lse > -INFINITY) ? (float)((double)best[j] - lse) : -INFINITY;
+}
+
+int mb_logprobs(const float *logits, int32_t rows, int32_t vocab, const int32_t *ids, int32_t top_n,
+                float *out_logprobs, int32_t *out_top_ids, float *out_top_logprobs) {
+    if (rows < 0 || vocab < 1 || vocab > MB_MAX_VOCAB) return MB_EINVAL;
+    if (top_n < 0 || top_n > MB_MAX_TOP_LOGPROBS || top_n > vocab) return MB_EINVAL;
+    for (int32_t r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab) return MB_EINVAL;
+    for (int32_t r = 0; r < rows; r++)
+        logprobs_row(logits + (size_t)r * (size_t)vocab, vocab, ids[r], top_n, &out_logprobs[r],
+                     out_top_ids + (size_t)r * (size_t)top_n, out_top_logprobs + (size_t)r * (size_t)top_n);
+    return MB_OK;
+}

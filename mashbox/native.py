@@ -163,6 +163,39 @@ def sample(
     return out
 
 
+MAX_TOP_LOGPROBS = native_ref.MAX_TOP_LOGPROBS
+
+
+def logprobs(logits: np.ndarray, ids: np.ndarray, top_n: int):
+    """Per row: the chosen id's log probability and the top_n best ids with theirs, from
+    float32[rows, vocab] logits as `sample` left them (see native_ref.logprobs). Returns
+    (float32[rows], int32[rows, top_n], float32[rows, top_n])."""
+    logits = _array(logits, np.float32, "logits", 2)
+    rows, vocab = logits.shape
+    ids = _array(ids, np.int32, "ids", 1)
+    if ids.shape != (rows,):
+        raise ValueError(f"ids must have shape ({rows},), got {ids.shape}")
+    if vocab < 1 or vocab > native_ref.MAX_VOCAB:
+        raise ValueError(f"logits: vocab must be in [1, {native_ref.MAX_VOCAB}], got {vocab}")
+    if not 0 <= top_n <= min(MAX_TOP_LOGPROBS, vocab):
+        raise ValueError(f"top_n must be in [0, {min(MAX_TOP_LOGPROBS, vocab)}], got {top_n}")
+    if rows and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"ids must lie in [0, {vocab})")
+    if _lib is None:
+        return native_ref.logprobs(logits, ids, top_n)
+    out = np.empty(rows, dtype=np.float32)
+    top_ids = np.empty((rows, top_n), dtype=np.int32)
+    top_lp = np.empty((rows, top_n), dtype=np.float32)
+    if rows == 0:
+        return out, top_ids, top_lp
+    status = _lib.mb_logprobs(
+        _ptr("float *", logits), rows, vocab, _ptr("int32_t *", ids), top_n, _ptr("float *", out),
+        _ptr("int32_t *", top_ids), _ptr("float *", top_lp),
+    )
+    _check(status, "logprobs")
+    return out, top_ids, top_lp
+
+
 class StopMatcher:
     """Incremental stop-string matching with hold-back (rules in native_ref).
 

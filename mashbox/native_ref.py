@@ -221,6 +221,34 @@ def sample(
     return out
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def logprobs(logits: np.ndarray, ids: np.ndarray, top_n: int):
+    """Log probabilities per row of the logits as `sample` left them (penalised, NaN ->
+    -inf, before temperature): lse = max + log(sum exp(x - max)) in float64, logprob =
+    float32(x - lse), -inf for -inf / NaN logits (and everywhere in a row with no finite
+    logit). Returns (float32[rows] the chosen ids' logprobs, int32[rows, top_n] the best
+    ids in (x descending, id ascending) order, float32[rows, top_n] their logprobs)."""
+    rows, vocab = logits.shape
+    out = np.empty(rows, dtype=np.float32)
+    top_ids = np.empty((rows, top_n), dtype=np.int32)
+    top_lp = np.empty((rows, top_n), dtype=np.float32)
+    for r in range(rows):
+        x = logits[r].astype(np.float64)
+        x[np.isnan(x)] = -np.inf
+        xmax = float(np.max(x))
+        finite = x > -np.inf
+        with np.errstate(invalid="ignore"):  # a +inf logit: inf - inf, lse NaN, all -inf as in C
+            lse = xmax + float(np.log(np.sum(np.exp(x[finite] - xmax)))) if xmax > -np.inf else -np.inf
+        lp = np.where(finite, x - lse, -np.inf) if lse > -np.inf else np.full(vocab, -np.inf)
+        out[r] = np.float32(lp[int(ids[r])])
+        order = np.argsort(_order_keys(x.astype(np.float32)), kind="stable")[:top_n]
+        top_ids[r] = order
+        top_lp[r] = lp[order].astype(np.float32)
+    return out, top_ids, top_lp
+
+
 class StopMatcher:
     """Incremental stop-string matching with hold-back, on str (see the module rules)."""
 
