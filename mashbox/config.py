@@ -48,6 +48,9 @@ class GenerationRequest:
     stops: tuple[str, ...] = ()
     max_tokens: int = 16  # already clamped by the api layer to ctx - len(prompt_ids)
     ignore_eos: bool = False
+    # log probabilities: None = off, else how many top alternatives each token carries
+    # (0 .. 20); see StepEvent.logprobs
+    logprobs: Optional[int] = None
 
     def to_wire(self) -> dict:
         d = dataclasses.asdict(self)
@@ -65,6 +68,7 @@ class GenerationRequest:
             stops=tuple(d["stops"]),
             max_tokens=d["max_tokens"],
             ignore_eos=d["ignore_eos"],
+            logprobs=d.get("logprobs"),
         )
 
 
@@ -78,6 +82,27 @@ class Timings:
     prompt_n: int = 0  # prompt tokens prefilled (not served from the prefix cache)
     cache_n: int = 0  # prompt tokens served from the prefix cache
     predicted_n: int = 0  # new tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log probability and its top alternatives, log-softmax of the
+    logits the sampler saw (after penalties, before temperature; native.logprobs).
+    Floored at LOGPROB_FLOOR: JSON has no -inf."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # best first; ties by lower id
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_wire(self) -> list:
+        return [self.logprob, list(self.top_ids), list(self.top_logprobs)]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "TokenLogprob":
+        return cls(w[0], tuple(w[1]), tuple(w[2]))
+
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability 0
 
 
 @dataclass(frozen=True)
@@ -101,10 +126,13 @@ class StepEvent:
     cached_tokens: int = 0
     started: bool = False
     timings: Optional[Timings] = None
+    # one per token_ids entry when the request asked for logprobs, else empty
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     def to_wire(self) -> dict:
         d = dataclasses.asdict(self)
         d["token_ids"] = list(self.token_ids)
+        d["logprobs"] = [lp.to_wire() for lp in self.logprobs]
         return d
 
     @classmethod
@@ -121,6 +149,7 @@ class StepEvent:
             cached_tokens=d["cached_tokens"],
             started=d["started"],
             timings=Timings(**t) if t else None,
+            logprobs=tuple(TokenLogprob.from_wire(w) for w in d.get("logprobs", ())),
         )
 
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import numpy as np
 import torch
 
 from mashbox import native
-from mashbox.config import EngineConfig, SamplingParams
+from mashbox.config import LOGPROB_FLOOR, EngineConfig, SamplingParams, TokenLogprob
 from mashbox.engine.scheduler import StepPlan
 from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
@@ -99,13 +100,20 @@ class Runner:
         self.rng = np.zeros(cfg.slots, dtype=np.uint64)  # [slots]
         self.penalties = np.zeros(cfg.slots, dtype=bool)  # [slots]
         self.num_prompt = np.zeros(cfg.slots, dtype=np.int32)  # [slots]
+        self.top_logprobs = np.full(cfg.slots, -1, dtype=np.int32)  # [slots]: top-n, -1 = no logprobs
+        # the last sample()'s logprobs, one per sampled row (None for rows without them),
+        # or None when no row of that step asked for them
+        self.step_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def admit(self, slot: int, sampling: SamplingParams, num_prompt: int) -> None:
-        """A request took `slot`: its sampling params and a fresh RNG from its seed."""
+    def admit(self, slot: int, sampling: SamplingParams, num_prompt: int,
+              logprobs: Optional[int] = None) -> None:
+        """A request took `slot`: its sampling params and a fresh RNG from its seed
+        (`logprobs`: GenerationRequest.logprobs, None = off)."""
+        self.top_logprobs[slot] = -1 if logprobs is None else logprobs
         self.params[slot] = sampling_row(sampling)
         self.rng[slot] = np.uint64(native.rng_init(sampling.seed))
         self.penalties[slot] = _uses_penalties(sampling)
@@ -174,6 +182,26 @@ class Runner:
                 else:
                     offsets[i + 1] = offsets[i]
             hist = np.ascontiguousarray(np.concatenate(parts), dtype=np.int32)
+        # the sampler penalises these logits in place: logprobs are read from them after
+        logits = np.require(logits, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
         out = native.sample(logits, params, rng, hist, offsets, gen_start)
         self.rng[slots] = rng
+        want = self.top_logprobs[slots]  # [n]
+        self.step_logprobs = self._logprobs(logits, out, want) if (want >= 0).any() else None
         return [int(t) for t in out]
+
+    @staticmethod
+    def _logprobs(logits: np.ndarray, ids: np.ndarray, want: np.ndarray) -> list[Optional[TokenLogprob]]:
+        """Rows with want[i] >= 0: their token's logprob and top want[i]; the others None
+        (and never computed)."""
+        rows = np.flatnonzero(want >= 0)
+        top_n = int(want[rows].max())
+        picked = logits if len(rows) == len(want) else logits[rows]  # [k, vocab]
+        lp, top_ids, top_lp = native.logprobs(picked, ids[rows], top_n)
+        lp = np.maximum(lp, LOGPROB_FLOOR)
+        top_lp = np.maximum(top_lp, LOGPROB_FLOOR)
+        res: list[Optional[TokenLogprob]] = [None] * len(want)
+        for j, i in enumerate(rows.tolist()):
+            n = int(want[i])
+            res[i] = TokenLogprob(float(lp[j]), tuple(top_ids[j, :n].tolist()), tuple(top_lp[j, :n].tolist()))
+        return res

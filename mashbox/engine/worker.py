@@ -118,7 +118,7 @@ class Engine:
         now = time.perf_counter()
         for r in plan.admitted:
             r.t_admit = now
-            self.runner.admit(r.slot, r.req.sampling, r.num_prompt)
+            self.runner.admit(r.slot, r.req.sampling, r.num_prompt, r.req.logprobs)
             self._outputs[r.id] = self._make_output(r)
         try:
             sampled = self.runner.run(plan, sched.slots.tokens)
@@ -136,12 +136,15 @@ class Engine:
         self.steps += 1
         sampled_ids = set()
         it = iter(sampled)
+        lps = self.runner.step_logprobs  # None, or one per sampled row
+        lp_it = iter(lps) if lps is not None else None
         for row in plan.rows:
             if not row.sample:
                 continue
             r = row.request
             sampled_ids.add(r.id)
-            events.append(self._on_token(r, next(it), now))
+            lp = next(lp_it) if lp_it is not None else None
+            events.append(self._on_token(r, next(it), now, () if lp is None else (lp,)))
         for r in plan.admitted:
             if r.id not in sampled_ids:  # still prefilling: tell the server it has a slot
                 r.started_sent = True
@@ -157,7 +160,7 @@ class Engine:
         stops = native.StopMatcher(list(r.req.stops)) if r.req.stops else None
         return _Output(detok, stops)
 
-    def _on_token(self, r: Request, tok: int, now: float) -> StepEvent:
+    def _on_token(self, r: Request, tok: int, now: float, logprobs: tuple = ()) -> StepEvent:
         sched = self.scheduler
         sched.append_token(r, tok)
         if r.t_first_token is None:
@@ -193,12 +196,13 @@ class Engine:
             r.started_sent = True
             return StepEvent(id=r.id, token_ids=(tok,), text=text, started=started,
                              prompt_tokens=r.num_prompt if started else 0,
-                             cached_tokens=r.num_cached if started else 0)
+                             cached_tokens=r.num_cached if started else 0, logprobs=logprobs)
         sched.finish(r, reason, stop_sequence=stop_seq)
         self._outputs.pop(r.id, None)
-        return self._final_event(r, text, now, (tok,))
+        return self._final_event(r, text, now, (tok,), logprobs)
 
-    def _final_event(self, r: Request, text: str, now: float, token_ids: tuple = ()) -> StepEvent:
+    def _final_event(self, r: Request, text: str, now: float, token_ids: tuple = (),
+                     logprobs: tuple = ()) -> StepEvent:
         started = r.t_admit is not None and not r.started_sent
         r.started_sent = r.started_sent or started
         t_admit = r.t_admit if r.t_admit is not None else now
@@ -224,6 +228,7 @@ class Engine:
             cached_tokens=r.num_cached,
             started=started,
             timings=timings,
+            logprobs=logprobs,
         )
 
 
