@@ -12,17 +12,19 @@ Rules:
 - Tools other than `function` are skipped (mashbox cannot run them). tool_choice: auto
   (default), none, required, or {"type": "function", "function": {"name"}}; required and
   named need tools, and a named one must be among them.
-- Not supported, 400 naming the field: n != 1, logprobs true, top_logprobs,
-  response_format other than text.
+- Not supported, 400 naming the field: n != 1, response_format other than text.
+- `logprobs: true` with `top_logprobs` (0-20): each choice's `logprobs.content`, per
+  chunk when streamed (api/logprobs.py).
 - stream_options.include_usage adds the usage chunk to a stream.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import orjson
 
-from mashbox.api import common, content, pipeline
+from mashbox.api import common, content, logprobs, pipeline
 from mashbox.api.chat_answer import ChunkWriter
 from mashbox.api.common import OPENAI, ApiContext, bad_request
 from mashbox.api.pipeline import ApiRequest
@@ -190,12 +192,6 @@ def to_tool_choice(raw: Any, tools: list) -> ToolChoice:
 
 def read_unsupported(body: dict) -> None:
     """Fields whose use the spec refuses with a 400 naming them."""
-    logprobs = common.get_bool(body, "logprobs", None)
-    if logprobs:
-        raise bad_request("logprobs is not supported (log probabilities are not computed).", "logprobs")
-    if body.get("top_logprobs") is not None:
-        common.get_int(body, "top_logprobs", None)
-        raise bad_request("top_logprobs is not supported (log probabilities are not computed).", "top_logprobs")
     fmt = common.get_object(body, "response_format", None)
     if fmt is not None:
         kind = fmt.get("type")
@@ -231,11 +227,13 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
                         enable_thinking=read_enable_thinking(body), later_system="join")
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
+    fields = dataclasses.replace(fields, logprobs=logprobs.read_chat(body))
     return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage, model=model)
 
 
 def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ChunkWriter:
-    return ChunkWriter(answer_id, common.now(), request.model or api.model_id, request.include_usage)
+    return ChunkWriter(answer_id, common.now(), request.model or api.model_id, request.include_usage,
+                       request.fields.logprobs is not None)
 
 
 SURFACE = pipeline.Surface("/v1/chat/completions", OPENAI, "chatcmpl-", convert, writer)

@@ -10,6 +10,10 @@ Rules:
   one engine step share one delta. Then a finish chunk with an empty delta and timings;
   with stream_options.include_usage a chunk with empty choices and usage; then
   `data: [DONE]`.
+- Logprobs (when asked for): a chunk carries the tokens its delta completes in
+  `choices[0].logprobs.content` (api/logprobs.py: never before their text; a step whose
+  tokens show no text sends them in a chunk with empty content); the whole completion
+  has them all. Without them, `logprobs` is null as before.
 - An error after the stream started is `event: error` carrying the response id as
   request_id, then `data: [DONE]` (Completions streams end the same way: `stream_error`).
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mashbox.api import logprobs as logprobs_mod
 from mashbox.api.generation import Piece, Result, timings_json
 from mashbox.http import sse
 
@@ -46,7 +51,7 @@ def tool_call_json(call) -> dict:
     }
 
 
-def completion_json(cid: str, created: int, model: str, result: Result) -> dict:
+def completion_json(cid: str, created: int, model: str, result: Result, logprobs: bool = False) -> dict:
     message: dict = {"role": "assistant", "content": result.text}
     if result.tool_calls and not result.text.strip():
         message["content"] = None
@@ -60,7 +65,8 @@ def completion_json(cid: str, created: int, model: str, result: Result) -> dict:
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result), "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result),
+                     "logprobs": logprobs_mod.chat_json(result.logprobs) if logprobs else None}],
         "usage": usage_json(result),
         "timings": timings_json(result.timings),
     }
@@ -87,16 +93,18 @@ class OpenAIWriter:
 class ChunkWriter(OpenAIWriter):
     """The pipeline.Writer of a Chat answer: chunk frames streamed, the completion whole."""
 
-    def __init__(self, cid: str, created: int, model: str, include_usage: bool = False):
+    def __init__(self, cid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
         self.id = cid
+        self.logprobs = logprobs
         self.created = created
         self.model = model
         self.include_usage = include_usage
         self.head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(self, delta: dict, finish: Optional[str] = None, **extra) -> bytes:
+    def chunk(self, delta: dict, finish: Optional[str] = None, logprobs: tuple = (), **extra) -> bytes:
         obj = dict(self.head)
-        obj["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        lp = logprobs_mod.chat_json(logprobs) if logprobs else None
+        obj["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
         obj.update(extra)
         return sse.data(obj)
 
@@ -107,15 +115,16 @@ class ChunkWriter(OpenAIWriter):
         """Frames for a step's pieces: consecutive text / reasoning pieces share one delta."""
         frames = []
         buf_kind, buf = None, []
+        lps: tuple = ()  # the tokens of the buffered delta
 
         def flush():
-            nonlocal buf_kind, buf
+            nonlocal buf_kind, buf, lps
             if buf_kind == "text":
-                frames.append(self.chunk({"content": "".join(buf)}))
+                frames.append(self.chunk({"content": "".join(buf)}, logprobs=lps))
             elif buf_kind == "reasoning":
                 text = "".join(buf)
-                frames.append(self.chunk({"reasoning_content": text, "reasoning": text}))
-            buf_kind, buf = None, []
+                frames.append(self.chunk({"reasoning_content": text, "reasoning": text}, logprobs=lps))
+            buf_kind, buf, lps = None, [], ()
 
         for p in pieces:
             if p.kind in ("text", "reasoning"):
@@ -123,15 +132,19 @@ class ChunkWriter(OpenAIWriter):
                     flush()
                     buf_kind = p.kind
                 buf.append(p.text)
+                lps += p.logprobs
                 continue
             flush()
             if p.kind == "tool_start":
                 frames.append(self.chunk({"tool_calls": [{
                     "index": p.index, "id": p.id, "type": "function",
                     "function": {"name": p.name, "arguments": ""},
-                }]}))
-            elif p.kind == "tool_args" and p.text:
-                frames.append(self.chunk({"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]}))
+                }]}, logprobs=p.logprobs))
+            elif p.kind == "tool_args" and (p.text or p.logprobs):
+                frames.append(self.chunk({"tool_calls": [{"index": p.index, "function": {"arguments": p.text}}]},
+                                         logprobs=p.logprobs))
+            elif p.logprobs:  # tool_end: the closing tag's tokens
+                frames.append(self.chunk({}, logprobs=p.logprobs))
         flush()
         return frames
 
@@ -161,7 +174,7 @@ class ChunkWriter(OpenAIWriter):
         return frames
 
     def whole(self, result: Result) -> dict:
-        return completion_json(self.id, self.created, self.model, result)
+        return completion_json(self.id, self.created, self.model, result, self.logprobs)
 
 
 def stream_error(message: str, response_id: str, code: str = "internal_error") -> bytes:

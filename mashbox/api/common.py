@@ -302,6 +302,9 @@ class SamplingFields:
     stops: tuple[str, ...]
     max_tokens: Optional[int]  # what the client asked for; None = to the end of the context
     seed_given: bool
+    # log probabilities: None = off, else the top alternatives per token (0 .. 20); each
+    # route reads its own fields for it (api/logprobs.py)
+    logprobs: Optional[int] = None
 
 
 def read_stops(body: dict) -> tuple[str, ...]:

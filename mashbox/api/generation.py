@@ -27,6 +27,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
@@ -39,11 +40,13 @@ from mashbox.api.common import (
     new_id,
     require_ready,
 )
+from mashbox.api.logprobs import TokenQueue
 from mashbox.api.prompt import Prompt
 from mashbox.config import GenerationRequest, StepEvent, Timings
 from mashbox.engine.interface import GenerationHandle, NotReady, QueueFull
 from mashbox.text.parsers import OutputParser
-from mashbox.text.pieces import PIECE_KINDS, Piece
+from mashbox.text.pieces import PIECE_KINDS, Piece, TokenLogprobs
+from mashbox.text.token_bytes import TokenBytes
 
 __all__ = ["PIECE_KINDS", "Piece", "ToolCall", "Step", "GenerationError", "Result", "Generation",
            "EventStream", "timings_json", "finish_failure"]
@@ -87,6 +90,7 @@ class Result:
     completion_tokens: int = 0
     timings: Optional[Timings] = None
     finished: bool = False
+    logprobs: list = field(default_factory=list)  # list[TokenLogprobs], when asked for: every token's
 
     @property
     def total_tokens(self) -> int:
@@ -140,14 +144,20 @@ class Generation:
             stops=fields.stops,
             max_tokens=prompt.max_tokens,
             ignore_eos=ignore_eos,
+            logprobs=fields.logprobs,
         )
         self._tool_id_prefix = tool_id_prefix
+        self._token_bytes = TokenBytes(api.tokenizer) if fields.logprobs is not None else None
+        self._logprobs = self._new_token_queue()
         self._parser = self._new_parser()
         self._retried = False
         self.result = Result(prompt_tokens=len(prompt.ids))
         self._calls: dict[int, ToolCall] = {}
         self._handle: Optional[GenerationHandle] = None
         self.output_sent = False  # set by a route once a client has received model output
+
+    def _new_token_queue(self) -> Optional[TokenQueue]:
+        return TokenQueue(self._token_bytes) if self._token_bytes is not None else None
 
     def _new_parser(self) -> OutputParser:
         p = self.prompt
@@ -207,6 +217,8 @@ class Generation:
                 if step.finished:
                     tail = self._apply(self._parser.finish())
                     step.pieces.extend(tail)
+                    if self._logprobs is not None:
+                        step.pieces = self._with_logprobs(step.pieces, self._logprobs.flush())
                     self._finish(ev)
                     yield step
                     return
@@ -236,6 +248,7 @@ class Generation:
             raise GenerationError(f"{error or 'the request failed on the device'}; its retry failed too: "
                                   f"{exc or type(exc).__name__}") from None
         self._parser = self._new_parser()
+        self._logprobs = self._new_token_queue()
         self._calls = {}
         self.result = Result(prompt_tokens=len(self.prompt.ids))
         if self.prompt.forced_text:
@@ -265,8 +278,23 @@ class Generation:
             self.result.finish_reason = "error"
             self.result.finished = True
             raise GenerationError(ev.error or "the request failed on the device")
+        if self._logprobs is not None:
+            self._logprobs.push(ev)
         pieces = self._apply(self._parser.feed(ev.text)) if ev.text else []
+        if self._logprobs is not None:
+            pieces = self._with_logprobs(pieces, self._logprobs.release(self._parser.held_text))
         return Step(pieces, ev, finished=ev.finish_reason is not None)
+
+    def _with_logprobs(self, pieces: list[Piece], entries: tuple[TokenLogprobs, ...]) -> list[Piece]:
+        """The step's pieces with its released tokens on the last one (an empty text piece
+        when the step has none: tokens whose text the parser dropped, or showed none)."""
+        if not entries:
+            return pieces
+        self.result.logprobs.extend(entries)
+        if not pieces:
+            return [Piece("text", "", logprobs=entries)]
+        last = pieces[-1]
+        return pieces[:-1] + [dataclasses.replace(last, logprobs=last.logprobs + entries)]
 
     def _apply(self, pieces: list[Piece]) -> list[Piece]:
         r = self.result

@@ -14,6 +14,10 @@ Rules:
   max_output_tokens ran out). An error after the stream started is `error` (carrying the
   response id as request_id, as Chat's and Messages' error events do), then
   `response.failed`.
+- Logprobs (when asked for): the tokens of text pieces go into the output_text part's
+  `logprobs` and the output_text.delta that carries their text (held whitespace keeps
+  them until its delta goes out); the tokens of reasoning and tool calls are not
+  reported (they are not output_text).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import Any, Optional
 
 from mashbox.api import common
 from mashbox.api.answer import Answer
+from mashbox.api.logprobs import entry_json
 from mashbox.api.generation import Result
 
 
@@ -79,8 +84,10 @@ class ResponseStream(Answer):
     CALL_KINDS = ("function_call", "custom_tool_call")
 
     def __init__(self, response_id: str, model: str, created_at: int, echo: dict, refs: dict[str, ToolRef],
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, logprobs: bool = False):
         super().__init__(response_id)
+        self.logprobs = logprobs
+        self._lp_pending: list[dict] = []  # text tokens whose delta has not gone out
         self.tokenizer = tokenizer  # counts the reasoning tokens of the usage
         self.model = model
         self.created_at = created_at
@@ -152,7 +159,7 @@ class ResponseStream(Answer):
         if self._open == "message":
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=part["text"], logprobs=[]))
+                                      content_index=0, text=part["text"], logprobs=list(part["logprobs"])))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=dict(part)))
         elif self._open == "reasoning":
@@ -203,9 +210,16 @@ class ResponseStream(Answer):
         })
         item = self.items[-1]
         item["content"][0]["text"] += text
+        lps, self._lp_pending = self._lp_pending, []
+        item["content"][0]["logprobs"].extend(lps)
         events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index(),
-                                  content_index=0, delta=text, logprobs=[]))
+                                  content_index=0, delta=text, logprobs=lps))
         return events
+
+    def feed(self, piece) -> list[tuple[str, dict]]:
+        if piece.logprobs and piece.kind == "text":
+            self._lp_pending.extend(entry_json(e) for e in piece.logprobs)
+        return super().feed(piece)
 
     def tool_start(self, name: str, call_id: str = "") -> list[tuple[str, dict]]:
         ref = self.refs.get(name, ToolRef("function", name))

@@ -20,17 +20,20 @@ Rules:
   every other tool type mashbox cannot run are skipped.
 - reasoning: no `reasoning` object -> the template's default; effort "none" or
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
-- Refused (400 naming the field): an `include` entry naming logprobs, top_logprobs,
-  text.format other than {"type": "text"}.
+- Refused (400 naming the field): an `include` entry naming logprobs other than
+  message.output_text.logprobs, text.format other than {"type": "text"}.
+- Logprobs: `include: ["message.output_text.logprobs"]` and/or `top_logprobs` (0-20):
+  the output_text part's `logprobs`, and each output_text.delta's (api/logprobs.py).
 - The Response repeats request fields (`echo_fields`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, Optional
 
-from mashbox.api import common, content, pipeline
+from mashbox.api import common, content, logprobs, pipeline
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.api.pipeline import ApiRequest
 from mashbox.api.prompt import Conversation, Prompt, ToolChoice
@@ -336,10 +339,8 @@ def check_unsupported(body: dict) -> None:
         if not isinstance(include, list):
             raise bad_request("include", "must be an array")
         for j, entry in enumerate(include):
-            if isinstance(entry, str) and "logprobs" in entry:
-                raise bad_request("include", f"{entry!r}: log probabilities are not supported")
-    if body.get("top_logprobs") is not None:
-        raise bad_request("top_logprobs", "log probabilities are not supported")
+            if isinstance(entry, str) and "logprobs" in entry and entry != logprobs.RESPONSES_INCLUDE:
+                raise bad_request("include", f"{entry!r}: the logprobs entry is {logprobs.RESPONSES_INCLUDE!r}")
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
@@ -399,13 +400,14 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     conv, refs = to_conversation(body)
     stream = common.get_bool(body, "stream", False)
     fields = common.read_sampling(body, ("max_output_tokens", "max_completion_tokens", "max_tokens"))
+    fields = dataclasses.replace(fields, logprobs=logprobs.read_responses(body))
     return ApiRequest(fields=fields, stream=stream, conversation=conv, echo=echo_fields(body), tool_refs=refs,
                       model=model)
 
 
 def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str) -> ResponseStream:
     return ResponseStream(answer_id, request.model or api.model_id, common.now(), request.echo, request.tool_refs,
-                          api.tokenizer)
+                          api.tokenizer, request.fields.logprobs is not None)
 
 
 SURFACE = pipeline.Surface("/v1/responses", OPENAI, "resp_", convert, writer)

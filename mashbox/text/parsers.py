@@ -177,6 +177,16 @@ class OutputParser:
         return self._state
 
     @property
+    def held_text(self) -> str:
+        """The tail of the fed text not yet given out as pieces (nor dropped): the buffer,
+        and while a call is not committed its tag and the whitespace before it (which go
+        back out as text if the call turns out malformed)."""
+        call = self._call
+        if call is not None and not call.committed:
+            return call.ws_before + self._call_open + self._buf
+        return self._buf
+
+    @property
     def num_calls(self) -> int:
         """Calls committed so far (ToolCallStart sent)."""
         return self._num_calls

@@ -9,6 +9,24 @@ PIECE_KINDS = ("text", "reasoning", "tool_start", "tool_args", "tool_end")
 
 
 @dataclass(frozen=True)
+class TokenChoice:
+    """One token as logprobs report it: its text (bytes that complete no character as
+    \\xNN), its raw bytes (token_bytes.TokenBytes) and its log probability."""
+
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token and the top alternatives at its position (best first)."""
+
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
+
+
+@dataclass(frozen=True)
 class Piece:
     """One parsed stretch of output; what api/generation.py yields and the api writers read.
 
@@ -26,6 +44,9 @@ class Piece:
     id: str = ""  # the call's id (tool_* kinds)
     name: str = ""  # tool_start: the function name
     valid: bool = True  # tool_end: the arguments parse as a JSON object
+    # the tokens whose text this piece completes, when the request asked for logprobs
+    # (api/generation.py attaches them; a token's logprobs go out with its text)
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PIECE_KINDS:

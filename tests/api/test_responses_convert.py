@@ -144,8 +144,7 @@ def test_reasoning_effort_rule():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"include": ["message.input_text.logprobs"]}, "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
     ({"text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},

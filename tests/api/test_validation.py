@@ -83,8 +83,12 @@ CHAT_CASES = [
     ({"stop": 7}, "stop"),
     ({"stop_sequences": "x"}, "stop_sequences"),
     ({"n": 2}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"stream": "yes"}, "stream"),
@@ -178,7 +182,9 @@ COMPLETION_CASES = [
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, 2, 3]}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"n": 3}, "n"),
     ({"temperature": 9}, "temperature"),
     ({"top_p": -1}, "top_p"),
@@ -261,8 +267,9 @@ def test_messages_400_through_the_sdk_and_prompt_too_long(anthropic_client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"include": ["message.input_text.logprobs"]}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": "3"}, "top_logprobs"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}}, "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
@@ -290,7 +297,7 @@ def test_responses_model_not_found_and_sdk_error(openai_client):
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.create(model="gpt-5", input="hi")
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.responses.create(model="scripted", input="hi", top_logprobs=2)
+        openai_client.responses.create(model="scripted", input="hi", top_logprobs=21)
     assert "top_logprobs" in str(info.value)
 
 
