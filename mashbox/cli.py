@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="serve a model over HTTP",
         description="Serve a model over HTTP (OpenAI Chat Completions, Completions, Responses "
-        "and Anthropic Messages). With no model, the default model is pulled and served.",
+        "and Anthropic Messages). With no model, the default model is pulled and served. "
+        "Log probabilities (logprobs) on Chat, Completions and Responses: log-softmax of the "
+        "logits after penalties, before temperature.",
     )
     run.add_argument("model", nargs="?", default=None,
                      help=f"a model id from `mashbox models` (default {registry.DEFAULT_MODEL_ID}), "
