@@ -6,7 +6,7 @@ poll must be answered promptly. Before, the event loop rendered and tokenized th
 prompt itself: a 20 MB chat body held every connection for 30+ s on a busy 2-core
 machine. Now a far too long prompt is refused before it is tokenized
 (prompt.refuse_far_too_long), and a big body is prepared in the prompt threads
-(pipeline.off_loop).
+(pipeline.off_loop, in the ApiContext's PromptPool).
 """
 from __future__ import annotations
 
