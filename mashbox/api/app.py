@@ -70,7 +70,7 @@ def make_context(server_config: ServerConfig, engine_config: EngineConfig, engin
         engine=engine,
         tokenizer=tokenizer,
         template=template,
-        prompt_pool=PromptPool(),
+        prompt_pool=PromptPool(server_config, engine_config, template.source),
     )
 
 
