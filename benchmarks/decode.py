@@ -181,7 +181,7 @@ def main() -> int:
 
         del r.decoder
         w = loader.load(path, r.dtype, r.device)
-        r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights,
+        r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights, limits=r.limits,
                             kernels=Kernels(linears="auto" if args.linears == "own" else "onednn",
                                             attention="sdpa" if args.decode == "sdpa" else "auto",
                                             layers="auto" if args.decode == "c" else "python"))

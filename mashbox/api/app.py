@@ -35,6 +35,7 @@ import signal
 from typing import Any, Callable, Optional
 
 from mashbox.api.common import ApiContext
+from mashbox.api.prompt_pool import PromptPool
 from mashbox.config import EngineConfig, ServerConfig
 
 log = logging.getLogger("mashbox.api")
@@ -69,6 +70,7 @@ def make_context(server_config: ServerConfig, engine_config: EngineConfig, engin
         engine=engine,
         tokenizer=tokenizer,
         template=template,
+        prompt_pool=PromptPool(server_config, engine_config, template.source),
     )
 
 
@@ -162,6 +164,8 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
             await engine.stop()
         except Exception:  # shutting down: log it and go on
             log.exception("engine stop failed")
+        if api.prompt_pool is not None:
+            api.prompt_pool.shutdown()
     return exit_code
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from mashbox.config import EngineConfig, SamplingParams, ServerConfig
+from mashbox.api.prompt_pool import PromptPool
 from mashbox.engine.interface import Engine, EngineInfo, NotReady, QueueFull
 from mashbox.http.response import HTTPError
 
@@ -67,6 +68,8 @@ class ApiContext:
     tokenizer: "Tokenizer"
     template: "ChatTemplate"
     started_at: float = field(default_factory=time.time)
+    # where big bodies are prepared (api/prompt_pool.py); None: every body inline
+    prompt_pool: Optional[PromptPool] = None
 
     @property
     def info(self) -> Optional[EngineInfo]:

@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
 
 from mashbox.api.common import (
     ApiContext,
@@ -181,7 +181,7 @@ class Generation:
             self.result.finish_reason = "cancelled"
             self.result.finished = True
 
-    async def steps(self, heartbeat_s: Optional[float] = None) -> AsyncIterator[Optional[Step]]:
+    async def steps(self, heartbeat_s: Optional[float] = None) -> AsyncGenerator[Optional[Step], None]:
         if self._handle is None:
             self.submit()
         it = self._handle.__aiter__()

@@ -32,8 +32,8 @@ def health_json(api: ApiContext) -> dict:
     ready = api.ready
     body = {
         "status": "ok" if ready else "loading",
-        "live_rows": stats.get("running", 0) if ready else None,
-        "waiting": stats.get("waiting", 0),
+        "live_rows": stats.running if ready else None,
+        "waiting": stats.waiting,
         "cache_bytes": 0,
         "host_cache_bytes": 0,
         "snapshot_bytes": 0,
@@ -43,10 +43,10 @@ def health_json(api: ApiContext) -> dict:
         "deployment_id": None,
         "component_set_sha": None,
         "certification": "uncertified",
-        "compiles_after_ready": stats.get("compiles_after_ready") if ready else None,
+        "compiles_after_ready": stats.compiles_after_ready if ready else None,
         "routed_experts": None,
-        "worker_pid": stats.get("worker_pid"),
-        "worker_restarts": stats.get("worker_restarts", 0),
+        "worker_pid": stats.worker_pid,
+        "worker_restarts": stats.worker_restarts,
     }
     error = engine.error
     if error:

@@ -328,10 +328,15 @@ def writer(api: ApiContext, request: ApiRequest, prompt: Prompt, answer_id: str)
 SURFACE = pipeline.Surface("/v1/messages", ANTHROPIC, "msg_", convert, writer, tool_id_prefix="toolu_")
 
 
+def count_body(api: ApiContext, req: Any) -> int:
+    """count_tokens' body -> its prompt tokens (pipeline.off_loop's job)."""
+    return count_chat_tokens(api, to_conversation(req.json()))
+
+
 def routes(api: ApiContext) -> list:
     async def count_tokens(req):
         common.require_ready(api, ANTHROPIC)
-        count = await pipeline.off_loop(req, lambda: count_chat_tokens(api, to_conversation(req.json())))
+        count = await pipeline.off_loop(api, req, count_body)
         return json_response({"input_tokens": count})
 
     return [

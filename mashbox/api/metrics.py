@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 from mashbox.api.common import OPENAI, ApiContext
+from mashbox.engine.interface import HistogramSnapshot
 from mashbox.http.response import text_response
 
 PREFIX = "mashbox:"
@@ -24,7 +25,7 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 _ENGINE_TO_METRIC = {"stop": "stop", "stop_sequence": "stop", "length": "length", "cancelled": "abort",
                      "error": "error"}
 
-# metric name -> (engine stats histogram key, help)
+# metric name -> (EngineStats.histograms key, help)
 HISTOGRAMS = (
     ("time_to_first_token_seconds", "time_to_first_token_seconds", "Time from admission to the first new token."),
     ("request_queue_time_seconds", "queue_time_seconds", "Time a request waited for a slot."),
@@ -42,12 +43,12 @@ def _num(x) -> str:
 
 
 def render(api: ApiContext) -> str:
-    stats = api.engine.stats() or {}
+    stats = api.engine.stats()
     info = api.info
-    slots = int(stats.get("slots") or (info.slots if info else 0) or api.engine_config.slots)
-    ctx = int(stats.get("ctx") or (info.ctx if info else 0) or api.engine_config.ctx or 0)
+    slots = int(stats.slots or (info.slots if info else 0) or api.engine_config.slots)
+    ctx = int(stats.ctx or (info.ctx if info else 0) or api.engine_config.ctx or 0)
     finished = {r: 0 for r in FINISHED_REASONS}
-    for reason, n in (stats.get("requests_finished") or {}).items():
+    for reason, n in stats.requests_finished.items():
         finished[_ENGINE_TO_METRIC.get(reason, "error")] += n
 
     lines: list[str] = []
@@ -60,41 +61,41 @@ def render(api: ApiContext) -> str:
             lines.append(f"{full}{labels} {_num(value)}")
 
     metric("num_requests_running", "gauge", "Requests in a slot (prefilling or decoding).",
-           [("", stats.get("running", 0))])
-    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats.get("waiting", 0))])
+           [("", stats.running)])
+    metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", stats.waiting)])
     metric("kv_cache_usage_perc", "gauge", "Fraction of the KV cache slots in use (0 to 1).",
-           [("", float(stats.get("kv_cache_usage", 0.0)))])
+           [("", float(stats.kv_cache_usage))])
     metric("cache_config_info", "gauge",
            "KV cache layout: one slot holds one whole context (block_size = ctx, num_blocks = slots).",
            [(f'{{block_size="{ctx}",num_blocks="{slots}"}}', 1)])
     metric("request_success_total", "counter", "Requests finished, by finish reason.",
            [(f'{{finished_reason="{r}"}}', finished[r]) for r in FINISHED_REASONS])
     metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
-           [("", stats.get("prompt_tokens", 0))])
+           [("", stats.prompt_tokens)])
     metric("generation_tokens_total", "counter", "New tokens generated.",
-           [("", stats.get("generated_tokens", 0))])
+           [("", stats.generated_tokens)])
     metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-           [("", stats.get("prompt_tokens", 0))])
+           [("", stats.prompt_tokens)])
     metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-           [("", stats.get("prefix_cache_hit_tokens", 0))])
+           [("", stats.prefix_cache_hit_tokens)])
     metric("num_preemptions_total", "counter", "Requests preempted (mashbox never preempts).",
-           [("", stats.get("preemptions", 0))])
+           [("", stats.preemptions)])
     metric("worker_restarts_total", "counter", "Times the worker was started again after a fault.",
-           [("", stats.get("worker_restarts", 0))])
+           [("", stats.worker_restarts)])
     metric("compiles_after_ready_total", "counter", "Programs compiled after the server reported ready.",
-           [("", stats.get("compiles_after_ready", 0) or 0)])
+           [("", stats.compiles_after_ready or 0)])
 
-    hists = stats.get("histograms") or {}
+    empty = HistogramSnapshot()
     for name, key, help_text in HISTOGRAMS:
         full = PREFIX + name
-        h = hists.get(key) or {"buckets": [], "sum": 0.0, "count": 0}
+        h = stats.histograms.get(key, empty)
         lines.append(f"# HELP {full} {help_text}")
         lines.append(f"# TYPE {full} histogram")
-        for le, cum in h["buckets"]:
+        for le, cum in h.buckets:
             lines.append(f'{full}_bucket{{le="{le}"}} {cum}')
-        lines.append(f'{full}_bucket{{le="+Inf"}} {h["count"]}')
-        lines.append(f"{full}_sum {_num(float(h['sum']))}")
-        lines.append(f"{full}_count {h['count']}")
+        lines.append(f'{full}_bucket{{le="+Inf"}} {h.count}')
+        lines.append(f"{full}_sum {_num(float(h.sum))}")
+        lines.append(f"{full}_count {h.count}")
     return "\n".join(lines) + "\n"
 
 

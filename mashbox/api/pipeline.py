@@ -12,11 +12,10 @@ Rules:
       for a conversation, plain for a text) -> answer id -> submit (429 / 503 / 529 are
       plain HTTP errors: nothing was answered yet) -> the writer;
       streamed: `frames(gen, writer)`;  whole: `gen.run(writer.collect)`, `writer.whole(result)`.
-- A big body (BIG_BODY_BYTES and more) is parsed, converted, rendered and tokenized off
-  the event loop, in `off_loop` (PROMPT_THREADS threads; more big requests wait their
-  turn), so megabytes of prompt do not stall every other connection (/health included).
-  The tokenizer releases the GIL while it encodes; the template renders in Python, in
-  GIL time slices. Smaller bodies are prepared inline: a thread hop would cost more.
+- A big body is parsed, converted, rendered and tokenized off the event loop, by
+  `off_loop` in the ApiContext's PromptPool (api/prompt_pool.py), so megabytes of
+  prompt do not stall every other connection (/health included); smaller bodies are
+  prepared inline. The job is `prepare(surface, api, req)`.
 - `frames` writes `start_frames(result)`, then per engine step `step_frames(pieces)` and,
   after the last, `end_frames(result)`. A writer whose opening must say what only the
   engine knows (Messages' message_start carries the prefix-cache hit) sets
@@ -41,12 +40,12 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Protocol, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Protocol, TypeVar
 
 from mashbox.api import common
 from mashbox.api.common import ApiContext, SamplingFields
@@ -163,9 +162,9 @@ class _Ended(Exception):
     """Shutdown.end() came while a request was running."""
 
 
-async def _until_ended(steps: AsyncIterator[T], ended: asyncio.Future) -> AsyncIterator[T]:
+async def _until_ended(steps: AsyncGenerator[T, None], ended: asyncio.Future) -> AsyncGenerator[T, None]:
     """`steps`, each item raced against `ended` (which raises _Ended and closes `steps`)."""
-    it = steps.__aiter__()
+    it = steps
     try:
         while True:
             if ended.done():
@@ -188,24 +187,14 @@ async def _until_ended(steps: AsyncIterator[T], ended: asyncio.Future) -> AsyncI
                 return
             yield item
     finally:
-        close = getattr(it, "aclose", None)
-        if close is not None:
-            await close()
+        await it.aclose()
 
 
-BIG_BODY_BYTES = 1 << 20
-PROMPT_THREADS = 2  # big prompts prepared at once; the server process has few cores to spare
-_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
-
-
-async def off_loop(req: Any, job: Callable[[], T]) -> T:
-    """`job()` in the prompt threads when the request's body is big, else inline."""
-    global _pool
-    if len(req.body) < BIG_BODY_BYTES:
-        return job()
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="mashbox-prompt")
-    return await asyncio.get_running_loop().run_in_executor(_pool, job)
+async def off_loop(api: ApiContext, req: Any, job: Callable[[ApiContext, Any], T]) -> T:
+    """`job(api, req)` in the api's PromptPool (inline without one, or for a small body)."""
+    if api.prompt_pool is None:
+        return job(api, req)
+    return await api.prompt_pool.run(api, req, job)
 
 
 def build_prompt(api: ApiContext, request: ApiRequest) -> Prompt:
@@ -283,20 +272,22 @@ def _failed(writer: Writer, started: bool, gen: Generation, message: str) -> lis
     return opening + writer.fail_frames(message)
 
 
+def prepare(surface: Surface, api: ApiContext, req: Any) -> tuple[ApiRequest, Prompt]:
+    """A generating request's body -> its request value and prompt (off_loop's job)."""
+    body = common.request_body(api, req, surface.family)
+    request = surface.convert(api, body)
+    return request, build_prompt(api, request)
+
+
 def handler(api: ApiContext, surface: Surface):
     """The route handler of a surface (see the module rules)."""
-
-    def prepare(req) -> tuple[ApiRequest, Prompt]:
-        body = common.request_body(api, req, surface.family)
-        request = surface.convert(api, body)
-        return request, build_prompt(api, request)
-
+    job = functools.partial(prepare, surface)
     shutdown = shutdown_of(api)
 
     async def handle(req):
         shutdown.check(surface.family)
         common.require_ready(api, surface.family)
-        request, prompt = await off_loop(req, lambda: prepare(req))
+        request, prompt = await off_loop(api, req, job)
         shutdown.check(surface.family)
         answer_id = common.new_id(surface.id_prefix)
         gen = Generation(api, prompt, request.fields, surface.family, tenant=req.tenant, request_id=answer_id,

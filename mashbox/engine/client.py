@@ -46,7 +46,7 @@ from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEv
 from mashbox.engine import frames
 from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
 from mashbox.engine.histogram import E2E_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
-from mashbox.engine.interface import EngineInfo, EngineStartError, NotReady, QueueFull
+from mashbox.engine.interface import EngineInfo, EngineStartError, EngineStats, NotReady, QueueFull
 
 log = logging.getLogger("mashbox.engine.client")
 
@@ -405,37 +405,37 @@ class EngineClient:
 
     # -- stats --------------------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         counters = collections.Counter(self._counter_base)
         for k, v in self._worker_counters.items():
             counters[k] += v
         running = len(self._in_slot)
         info = self.info
         slots = info.slots if info is not None else self.engine_config.slots
-        return {
-            "state": self.state,
-            "running": running,
-            "waiting": len(self._waiting),
-            "slots": slots,
-            "slots_used": running,
-            "kv_cache_usage": running / slots if slots else 0.0,
-            "ctx": info.ctx if info is not None else int(self.engine_config.ctx or 0),
-            "worker_pid": self.worker_pid,
-            "worker_restarts": self.restarts,
-            "worker_stalls": self.stalls,
-            "requests_finished": dict(self.finished_by_reason),
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "prefix_cache_lookups": counters.get("prefix_lookups", 0),
-            "prefix_cache_hits": counters.get("prefix_hits", 0),
-            "prefix_cache_hit_tokens": counters.get("prefix_hit_tokens", 0),
-            "prefix_cache_copies": counters.get("prefix_copies", 0),  # from a running slot
-            "preemptions": 0,
-            "compiles_after_ready": 0 if self.state == "ok" else None,  # eager torch: none
-            "histograms": {
-                "time_to_first_token_seconds": self.h_ttft.to_dict(),
-                "queue_time_seconds": self.h_queue.to_dict(),
-                "e2e_request_latency_seconds": self.h_e2e.to_dict(),
-                "time_per_output_token_seconds": self.h_tpot.to_dict(),
+        return EngineStats(
+            state=self.state,
+            running=running,
+            waiting=len(self._waiting),
+            slots=slots,
+            slots_used=running,
+            kv_cache_usage=running / slots if slots else 0.0,
+            ctx=info.ctx if info is not None else int(self.engine_config.ctx or 0),
+            worker_pid=self.worker_pid,
+            worker_restarts=self.restarts,
+            worker_stalls=self.stalls,
+            requests_finished=self.finished_by_reason,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            prefix_cache_lookups=counters.get("prefix_lookups", 0),
+            prefix_cache_hits=counters.get("prefix_hits", 0),
+            prefix_cache_hit_tokens=counters.get("prefix_hit_tokens", 0),
+            prefix_cache_copies=counters.get("prefix_copies", 0),
+            preemptions=0,
+            compiles_after_ready=0 if self.state == "ok" else None,  # eager torch: none
+            histograms={
+                "time_to_first_token_seconds": self.h_ttft.snapshot(),
+                "queue_time_seconds": self.h_queue.snapshot(),
+                "e2e_request_latency_seconds": self.h_e2e.snapshot(),
+                "time_per_output_token_seconds": self.h_tpot.snapshot(),
             },
-        }
+        )

@@ -2,6 +2,8 @@
 (cumulative bucket counts; the last bucket is +Inf and equals `count`)."""
 from __future__ import annotations
 
+from mashbox.engine.interface import HistogramSnapshot
+
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 QUEUE_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -25,9 +27,9 @@ class Histogram:
         self.sum += v
         self.count += 1
 
-    def to_dict(self) -> dict:
+    def snapshot(self) -> HistogramSnapshot:
         cum, out = 0, []
         for le, c in zip(self.buckets, self.counts):
             cum += c
-            out.append([le, cum])
-        return {"buckets": out, "sum": self.sum, "count": self.count}
+            out.append((le, cum))
+        return HistogramSnapshot(tuple(out), self.sum, self.count)

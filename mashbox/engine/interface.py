@@ -10,6 +10,9 @@ Rules:
 - `Engine.state` is "loading" until the engine can take requests, then "ok"; it goes
   back to "loading" while a failed worker restarts. `info` is None until the first
   ready, then what the worker measured (a frozen `EngineInfo`).
+- `stats()` is a frozen `EngineStats`: every field has a default, so a new figure is one
+  field here (and one line where the client counts it); a test double sets only what its
+  test reads.
 - `submit` is synchronous and either refuses at once (NotReady, QueueFull) or returns a
   handle whose events always end with exactly one StepEvent carrying finish_reason.
   The engine never runs a request twice: a request its worker failed ends with
@@ -19,8 +22,9 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Protocol
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import AsyncIterator, Mapping, Optional, Protocol
 
 from mashbox.config import GenerationRequest, StepEvent
 
@@ -70,6 +74,52 @@ class EngineInfo:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """One latency histogram as Prometheus wants it, in seconds."""
+
+    buckets: tuple[tuple[float, int], ...] = ()  # (upper bound, cumulative count); +Inf is `count`
+    sum: float = 0.0
+    count: int = 0
+
+
+def _frozen_map(m: Mapping) -> Mapping:
+    return MappingProxyType(dict(m))
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine counts (`Engine.stats()`): health and /metrics read it."""
+
+    state: str = "loading"  # one of STATES
+    running: int = 0  # requests in a slot
+    waiting: int = 0  # requests waiting for a slot
+    slots: int = 0  # 0: not known yet (the readers fall back to the config)
+    slots_used: int = 0
+    kv_cache_usage: float = 0.0  # slots_used / slots, 0..1
+    ctx: int = 0  # tokens per slot; 0: not known yet
+    worker_pid: Optional[int] = None
+    worker_restarts: int = 0
+    worker_stalls: int = 0  # workers the watchdog took for frozen
+    requests_finished: Mapping[str, int] = field(default_factory=dict)  # finish_reason -> count
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_cache_lookups: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_copies: int = 0  # admissions whose prefix was copied from a running slot
+    preemptions: int = 0  # mashbox never preempts
+    compiles_after_ready: Optional[int] = None  # None until ready (eager torch: then 0)
+    # time_to_first_token_seconds, queue_time_seconds, e2e_request_latency_seconds,
+    # time_per_output_token_seconds -> its histogram (a missing one reads as empty)
+    histograms: Mapping[str, HistogramSnapshot] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the mappings are read-only copies, so a reader cannot change what it was given
+        object.__setattr__(self, "requests_finished", _frozen_map(self.requests_finished))
+        object.__setattr__(self, "histograms", _frozen_map(self.histograms))
+
+
 class GenerationHandle(Protocol):
     """One submitted request: `async for ev in handle` yields its StepEvents, the last
     one (exactly one) with finish_reason; `cancel()` is idempotent and the final event
@@ -85,8 +135,7 @@ class GenerationHandle(Protocol):
 
 
 class Engine(Protocol):
-    """What the api layer calls. `stats()` is the dict docs/interfaces.md lists (health
-    and /metrics read it)."""
+    """What the api layer calls."""
 
     state: str  # one of STATES
     info: Optional[EngineInfo]
@@ -104,4 +153,4 @@ class Engine(Protocol):
         """Raises NotReady while loading, QueueFull(scope) when its queue is full."""
         ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> EngineStats: ...

@@ -22,6 +22,7 @@ from mashbox.engine.scheduler import StepPlan
 from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
+from mashbox.model.layer_loop import StepLimits
 
 log = logging.getLogger("mashbox.engine.runner")
 
@@ -77,15 +78,17 @@ class Runner:
         self.num_slots = cfg.slots
         # weights "dense" unless the config opts into weight-only int8 / int4
         self.weight_format = cfg.weights
+        # the scheduler never plans more than max(prefill_chunk, decode rows + 1) tokens;
+        # a step of decode rows only has at most one row per slot
+        self.max_tokens = cfg.prefill_chunk + cfg.slots
+        self.limits = StepLimits(tokens=self.max_tokens, decode_rows=cfg.slots)
         self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device,
-                                           weights=self.weight_format)
+                                           weights=self.weight_format, limits=self.limits)
         del weights
         self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
         log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots",
                  time.perf_counter() - t0, mc.arch, self.dtype, self.device, self.ctx, cfg.slots)
 
-        # the scheduler never plans more than max(prefill_chunk, decode rows + 1) tokens
-        self.max_tokens = cfg.prefill_chunk + cfg.slots
         self._ids_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
         self._pos_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
         self._ramp = np.arange(self.max_tokens, dtype=np.int64)  # [max_tokens]: a row's positions are start + ramp

@@ -58,7 +58,7 @@ from mashbox.model.fused_layout import fuse
 from mashbox.model.kernels import Kernels
 from mashbox.model.kv_cache import KVCache
 from mashbox.model import linear
-from mashbox.model.layer_loop import CLayers, Layer, PythonLayers, Step
+from mashbox.model.layer_loop import CLayers, Layer, PythonLayers, Step, StepLimits
 from mashbox.model.linear import (INT4_GROUP, BF16Linear, Int4Weight, Int8Weight, Linear, OneDNNLinear,
                                   TorchLinear)
 from mashbox.model.model_config import ModelConfig
@@ -118,9 +118,11 @@ class _Parts:
 class Decoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, batch_invariant: Optional[bool] = None, weights: str = "dense",
-                 kernels: Kernels = Kernels()):
+                 kernels: Kernels = Kernels(), limits: StepLimits = StepLimits()):
         """batch_invariant: None is the device's default (True on CPU); kernels: what to
-        run on (model/kernels.py), resolved here once and kept as self.kernels."""
+        run on (model/kernels.py), resolved here once and kept as self.kernels; limits:
+        the most rows a step can have (model/layer_loop.py), which sizes the layer loop's
+        buffers once; a bigger step is a ValueError."""
         if weights not in WEIGHT_FORMATS:
             raise ModelError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
         self.device = torch.device(device)
@@ -144,8 +146,11 @@ class Decoder:
         csrc_linears = self.kernels.linears == "csrc"
         self.ops = CsrcRowOps(config) if csrc_linears else TorchRowOps(config)
         self._attention_kernel = self.kernels.kernel if self.kernels.attention == "csrc" else 0
-        python = PythonLayers(config, self.layers, self.ops, dtype, self.device)
-        self.loop = CLayers(config, self.layers, python, self.kernels.kernel) if self.kernels.layers == "c" else python
+        self.limits = limits
+        padded = max(limits.tokens, self._min_rows) if self.batch_invariant else limits.tokens
+        python = PythonLayers(config, self.layers, self.ops, dtype, self.device, padded)
+        self.loop = (CLayers(config, self.layers, python, self.kernels.kernel, min(limits.decode_rows, limits.tokens))
+                     if self.kernels.layers == "c" else python)
         self._logits = self._logits_f32 if isinstance(self.lm_head, BF16Linear) else self._logits_cast
 
     def _take(self, c: ModelConfig, tensors: dict[str, torch.Tensor]) -> list[_Parts]:
@@ -255,6 +260,9 @@ class Decoder:
     def forward(self, batch: Batch, cache: KVCache) -> torch.Tensor:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         T = batch.input_ids.shape[0]
+        if T > self.limits.tokens:
+            raise ValueError(f"a step of {T} tokens exceeds the decoder's limit of {self.limits.tokens} "
+                             "(StepLimits.tokens, sized at start-up)")
         plan = AttentionPlan(batch, cache, self.config, self.dtype, self.device, invariant=self.batch_invariant,
                              decode_kernel=self._attention_kernel)
         ids, positions = batch.input_ids, batch.positions

@@ -12,8 +12,10 @@ Per layer, for x [Tp, hidden] (the residual stream, updated in place):
     attention of every row over its slot; x += attn @ o.T (+ bias);
     h = norm(x); x += act(h @ gate_up.T) @ down.T
 
-Buffers made once and reused (grown only when a step has more rows than any before):
-the attention output [Tp, heads * head_dim] and C's scratch.
+Buffers made once, at construction, for the most rows a step can have (StepLimits,
+which the runner derives from its scheduler's token budget and its slots) and never
+grown: the attention output [max rows, heads * head_dim] and C's scratch. A step with
+more rows is refused (ValueError), not given a new buffer.
 """
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ class Layer:
     down: Linear  # [hidden, intermediate]
 
 
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The most rows one forward can be given, known at start-up so that the layer
+    loop's buffers are made once. The runner: tokens = its step buffers' length
+    (prefill_chunk + slots, what the scheduler can plan at most), decode_rows = its
+    slots. The defaults are for decoders built outside a runner (tests, benchmarks)."""
+    tokens: int = 2048  # T of any step (before padding rows)
+    decode_rows: int = 64  # rows of a step whose rows all decode (CLayers' C scratch)
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1 or self.decode_rows < 1:
+            raise ValueError(f"StepLimits needs tokens and decode_rows >= 1, got {self.tokens}, {self.decode_rows}")
+
+
 @dataclass(slots=True)
 class Step:
     """One forward's inputs to the layers."""
@@ -57,19 +73,26 @@ class Step:
 
 class PythonLayers:
     def __init__(self, config: ModelConfig, layers: list[Layer], ops: Union[CsrcRowOps, TorchRowOps],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, max_rows: int) -> None:
+        """max_rows: the most rows (padding rows included) a step can have."""
         self.config, self.layers, self.ops = config, layers, ops
-        self._attn = torch.zeros(0, config.q_size, dtype=dtype, device=device)  # [rows, heads * head_dim]
+        self.max_rows = max_rows
+        self._attn = torch.zeros(max_rows, config.q_size, dtype=dtype, device=device)  # [max_rows, heads * head_dim]
 
     def _attention_out(self, tokens: int, padded: int) -> torch.Tensor:
         """[padded, heads * head_dim]: rows < tokens are written by every layer's attention
         before they are read; padding rows are zero, as a fresh buffer's."""
-        if self._attn.shape[0] < padded:
-            self._attn = torch.zeros(padded, self._attn.shape[1], dtype=self._attn.dtype, device=self._attn.device)
+        if padded > self.max_rows:
+            raise ValueError(f"a step of {padded} rows exceeds the layer loop's {self.max_rows} "
+                             "(StepLimits.tokens, sized at start-up)")
         out = self._attn[:padded]
         if padded > tokens:
             out[tokens:].zero_()
         return out
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers made at construction (a test checks no step replaces one)."""
+        return (self._attn,)
 
     def run(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         c, ops = self.config, self.ops
@@ -95,7 +118,9 @@ class PythonLayers:
 
 
 class CLayers:
-    def __init__(self, config: ModelConfig, layers: list[Layer], python: PythonLayers, kernel: int) -> None:
+    def __init__(self, config: ModelConfig, layers: list[Layer], python: PythonLayers, kernel: int,
+                 max_rows: int) -> None:
+        """max_rows: the most rows a step of decode rows only can have (StepLimits.decode_rows)."""
         c = config
         self.config, self.python, self.kernel = c, python, kernel
         entries = []
@@ -109,15 +134,21 @@ class CLayers:
                                 down=layer.down.packed, qkv_bias=layer.qkv.bias, o_bias=layer.o.bias))
         self.table = csrc.LayerTable(entries, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                      c.intermediate_size)
-        self._scratch = torch.empty(0, dtype=torch.bfloat16)
+        self.max_rows = max_rows
+        # C's scratch for max_rows rows; a step of fewer rows uses its front (C's layout
+        # is by rows: mb_bf16_decode_scratch grows with t)
+        self._scratch = torch.empty(self.table.scratch_elements(max_rows), dtype=torch.bfloat16)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self._scratch,) + self.python.buffers()
 
     def run(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         own, T = step.plan.own, step.tokens
         if own is None or own.count != T or step.padded != T:
             return self.python.run(x, step)
-        need = self.table.scratch_elements(T)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.bfloat16)
+        if T > self.max_rows:
+            raise ValueError(f"a step of {T} decode rows exceeds the layer loop's {self.max_rows} "
+                             "(StepLimits.decode_rows, sized at start-up)")
         rope, cache = step.rope, step.cache
         self.table.decode(x, step.positions.contiguous(), own.rows, own.slots, own.ends, self.config.rms_norm_eps,
                           rope.cos, rope.sin, cache.k, cache.v, own.window, own.scale, self._scratch, self.kernel)

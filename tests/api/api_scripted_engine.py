@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import pytest
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent, Timings
-from mashbox.engine.interface import Engine, EngineInfo, GenerationHandle, NotReady, QueueFull
+from mashbox.engine.interface import Engine, EngineInfo, EngineStats, GenerationHandle, NotReady, QueueFull
 
 __all__ = ["EngineInfo", "NotReady", "QueueFull", "ScriptedEngine", "ScriptedHandle", "InProcessServer",
            "server_fixtures", "text_events"]
@@ -106,12 +106,10 @@ class ScriptedEngine:
         self.submitted.append(req)
         return ScriptedHandle(self, req, events)
 
-    def stats(self) -> dict:
-        return {"running": 0, "waiting": 0, "slots": 2, "kv_cache_usage": 0.0,
-                "ctx": self.info.ctx if self.info is not None else 0,
-                "worker_pid": None, "worker_restarts": 0, "requests_finished": {"stop": 1},
-                "prompt_tokens": 10, "generated_tokens": 5, "prefix_cache_hit_tokens": 2, "preemptions": 0,
-                "histograms": {}}
+    def stats(self) -> EngineStats:
+        return EngineStats(state=self.state, slots=2, ctx=self.info.ctx if self.info is not None else 0,
+                           requests_finished={"stop": 1}, prompt_tokens=10, generated_tokens=5,
+                           prefix_cache_hit_tokens=2)
 
 
 class InProcessServer:

@@ -6,7 +6,7 @@ poll must be answered promptly. Before, the event loop rendered and tokenized th
 prompt itself: a 20 MB chat body held every connection for 30+ s on a busy 2-core
 machine. Now a far too long prompt is refused before it is tokenized
 (prompt.refuse_far_too_long), and a big body is prepared in the prompt threads
-(pipeline.off_loop).
+(pipeline.off_loop, in the ApiContext's PromptPool).
 """
 from __future__ import annotations
 
@@ -29,30 +29,39 @@ def script():
 script, engine, app = server_fixtures(script, ctx=4096)
 
 
-def while_polling_health(app, path: str, body: dict) -> tuple[httpx.Response, list[float]]:
-    """POST `body` from a thread; poll /health until that answer came; (answer, latencies)."""
+def while_polling_health(app, path: str, body: dict, senders: int = 1) -> tuple[httpx.Response, list[float]]:
+    """POST `body` from `senders` threads at once; poll /health until every answer came;
+    (the first answer, latencies)."""
     data = orjson.dumps(body)
-    answer: dict = {}
+    answers: list = []
+    left = [senders]
+    lock = threading.Lock()
     done = threading.Event()
 
     def send():
         try:
-            answer["r"] = httpx.post(app.base_url + path, content=data, timeout=300,
-                                     headers={"content-type": "application/json"})
+            answers.append(httpx.post(app.base_url + path, content=data, timeout=300,
+                                      headers={"content-type": "application/json", "anthropic-version": "2023-06-01"}))
         finally:
-            done.set()
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
 
     latencies = []
     with httpx.Client(timeout=300) as client:
         client.get(app.base_url + "/health")
-        sender = threading.Thread(target=send)
-        sender.start()
+        threads = [threading.Thread(target=send) for _ in range(senders)]
+        for sender in threads:
+            sender.start()
         while not done.wait(0.02):
             t = time.monotonic()
             assert client.get(app.base_url + "/health").status_code == 200
             latencies.append(time.monotonic() - t)
-        sender.join()
-    return answer["r"], latencies
+        for sender in threads:
+            sender.join()
+    assert len(answers) == senders
+    return answers[0], latencies
 
 
 def words(n_chars: int) -> str:
@@ -71,6 +80,19 @@ def test_a_20mb_chat_body_is_refused_early_and_health_stays_responsive(app, engi
     assert len(engine.submitted) == before
     assert max(latencies, default=0.0) < HEALTH_MAX_S, latencies
     assert elapsed < 20, elapsed  # no tokenizing of 20 MB (that alone took 30 s here)
+
+
+def test_two_20mb_messages_bodies_at_once_leave_health_responsive(app, engine):
+    """Parsed in the parse processes (api/prompt_pool.py): orjson.loads of 20 MB alone held
+    the GIL ~60 ms in a thread of the server; on the loop, every connection waited."""
+    before = len(engine.submitted)
+    r, latencies = while_polling_health(app, "/v1/messages", {
+        "model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": words(20_000_000)}]}, senders=2)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "is at least" in err["message"]
+    assert len(engine.submitted) == before
+    assert max(latencies, default=0.0) < HEALTH_MAX_S, latencies
 
 
 @pytest.mark.parametrize("path,body", [

@@ -46,7 +46,7 @@ def test_concurrent_requests_eos_and_seeds(default_model_path, tok):
     assert seeded_alone[0][0] == seeded_alone[1][0]  # a seed alone repeats exactly
     for r in crowd + crowd2:  # every request of the mixed batches completes
         assert r[2].finish_reason in ("stop", "length") and r[0]
-    assert stats["requests_finished"]["stop"] + stats["requests_finished"].get("length", 0) == 11
+    assert stats.requests_finished["stop"] + stats.requests_finished.get("length", 0) == 11
     # The decoder is batch invariant: alone and beside 3 others give the same tokens.
     assert crowd[0][0] == ids
     assert crowd2[0][0] == seeded_alone[0][0]
@@ -70,7 +70,7 @@ def test_prefix_reuse_of_a_1000_token_prefix(default_model_path, tok):
     assert a[2].timings.prompt_n == len(first) and a[2].timings.cache_n == 0
     assert b[2].timings.cache_n == 1000
     assert b[2].timings.prompt_n == len(second) - 1000  # only the new tokens
-    assert stats["prefix_cache_lookups"] == 2 and stats["prefix_cache_hit_tokens"] == 1000
+    assert stats.prefix_cache_lookups == 2 and stats.prefix_cache_hit_tokens == 1000
 
 
 def test_a_retry_after_a_cancelled_prefill_resumes_where_it_stopped(default_model_path, tok):

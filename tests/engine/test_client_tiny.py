@@ -80,17 +80,17 @@ def test_concurrent_requests_match_transformers_greedy(tiny, tiny_tok):
         assert final.timings.prompt_n + final.timings.cache_n == len(prompts[i])
         # the text is the incremental decode of the ids (what a client would show)
         assert text == tiny_tok.decode(prompts[i] + ids)[len(tiny_tok.decode(prompts[i])):]
-    assert stats["requests_finished"] == {"length": 6}
-    assert stats["generated_tokens"] == sum(lengths)
-    assert stats["prompt_tokens"] == sum(map(len, prompts))
-    assert stats["running"] == 0 and stats["waiting"] == 0 and stats["slots_used"] == 0
-    assert stats["prefix_cache_lookups"] == 6
-    h = stats["histograms"]
-    assert h["time_to_first_token_seconds"]["count"] == 6
-    assert h["e2e_request_latency_seconds"]["count"] == 6
-    assert h["queue_time_seconds"]["count"] == 6
-    assert h["time_per_output_token_seconds"]["count"] == 6
-    assert h["e2e_request_latency_seconds"]["buckets"][-1][1] <= 6
+    assert stats.requests_finished == {"length": 6}
+    assert stats.generated_tokens == sum(lengths)
+    assert stats.prompt_tokens == sum(map(len, prompts))
+    assert stats.running == 0 and stats.waiting == 0 and stats.slots_used == 0
+    assert stats.prefix_cache_lookups == 6
+    h = stats.histograms
+    assert h["time_to_first_token_seconds"].count == 6
+    assert h["e2e_request_latency_seconds"].count == 6
+    assert h["queue_time_seconds"].count == 6
+    assert h["time_per_output_token_seconds"].count == 6
+    assert h["e2e_request_latency_seconds"].buckets[-1][1] <= 6
 
 
 def test_seeded_sampling_repeats_and_batch_neighbours(tiny, tiny_tok, record_property):
@@ -146,8 +146,8 @@ def test_prefix_reuse_prefills_only_new_tokens(tiny, tiny_tok):
     assert ta.prompt_n == 1003 and ta.cache_n == 0
     assert tb.cache_n == 1000 and tb.prompt_n == 5  # only the new tokens were prefilled
     assert b[2].cached_tokens == 1000
-    assert after["prefix_cache_lookups"] == before["prefix_cache_lookups"] + 1
-    assert after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"] + 1000
+    assert after.prefix_cache_lookups == before.prefix_cache_lookups + 1
+    assert after.prefix_cache_hit_tokens == before.prefix_cache_hit_tokens + 1000
     # the reused K/V gives the same tokens as a full forward pass
     assert b[0] == hf_greedy(tiny, second, 6)
 
@@ -165,7 +165,7 @@ def test_running_request_prefix_is_copied_not_recomputed(tiny, tiny_tok):
 
     b, stats = run(main, tiny_config(tiny, slots=2, prefill_chunk=256))
     assert b[2].timings.cache_n == 1000 and b[2].timings.prompt_n == 5
-    assert stats["prefix_cache_copies"] == 1
+    assert stats.prefix_cache_copies == 1
     assert b[0] == hf_greedy(tiny, second, 6)  # the copied K/V give the right tokens
 
 
@@ -180,7 +180,7 @@ def test_cancel_queued_prefilling_and_decoding(tiny, tiny_tok):
         seen_pre = await first_event(pre, want_tokens=False)
         assert seen_pre[-1].started and not seen_pre[-1].token_ids  # has a slot, prefilling
         queued = client.submit(greq("q", tiny_tok.encode("queued"), 5))
-        assert client.stats()["waiting"] == 1 and client.stats()["slots_used"] == 2
+        assert client.stats().waiting == 1 and client.stats().slots_used == 2
         for h in (queued, pre, dec):
             h.cancel()
             h.cancel()  # idempotent
@@ -197,8 +197,8 @@ def test_cancel_queued_prefilling_and_decoding(tiny, tiny_tok):
     assert not q.started and q.timings.predicted_n == 0 and q.timings.prompt_n == 0
     assert pre.timings.predicted_n == 0 and 0 < pre.timings.prompt_n < len(long_prompt)
     assert 0 < dec.timings.predicted_n < 1500
-    assert stats["slots_used"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
-    assert stats["requests_finished"] == {"cancelled": 3}
+    assert stats.slots_used == 0 and stats.running == 0 and stats.waiting == 0
+    assert stats.requests_finished == {"cancelled": 3}
     assert all(r[2].finish_reason == "length" and len(r[0]) == 3 for r in after)
 
 
@@ -214,7 +214,7 @@ def test_queue_caps_per_tenant_and_total(tiny, tiny_tok):
         w.append(client.submit(greq("y0", [8, 9], 2, tenant="y")))
         with pytest.raises(QueueFull) as e2:
             client.submit(greq("z0", [8, 9], 2, tenant="z"))
-        waiting = client.stats()["waiting"]
+        waiting = client.stats().waiting
         busy.cancel()
         done = await asyncio.gather(*(collect(h) for h in w))
         await collect(busy)
@@ -244,9 +244,9 @@ def test_a_cancelled_request_stops_counting_toward_the_caps_at_once(tiny):
         return stats, [d.final.finish_reason for d in done], client.stats()
 
     stats, reasons, after = run(main, tiny_config(tiny, slots=1), server)
-    assert stats["waiting"] == 0 and stats["running"] == 1
+    assert stats.waiting == 0 and stats.running == 1
     assert reasons == ["cancelled", "cancelled", "length", "length", "length", "cancelled"]
-    assert after["waiting"] == 0 and after["running"] == 0
+    assert after.waiting == 0 and after.running == 0
 
 
 def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
@@ -260,7 +260,7 @@ def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
         q = await collect(queued)
         assert client.state == "loading"
         await client.wait_ready(timeout=TIMEOUT)
-        assert client.worker_pid != pid and client.stats()["worker_restarts"] == 1
+        assert client.worker_pid != pid and client.stats().worker_restarts == 1
         fresh = await collect(client.submit(greq("fresh", [5, 6, 7], 4)))
         return r_final, q, fresh.final, client.stats()
 
@@ -270,8 +270,8 @@ def test_killed_worker_is_restarted_and_its_requests_end(tiny, tiny_tok):
     assert r_final.finish_reason == "error" and "worker" in r_final.error
     assert q.final.finish_reason == "error" and "worker" in q.final.error and q.ids == []
     assert f_final.finish_reason == "length"
-    assert stats["requests_finished"] == {"error": 2, "length": 1}
-    assert stats["waiting"] == 0 and stats["running"] == 0
+    assert stats.requests_finished == {"error": 2, "length": 1}
+    assert stats.waiting == 0 and stats.running == 0
 
 
 def test_a_frozen_worker_is_killed_and_restarted(tiny):
@@ -299,7 +299,7 @@ def test_a_frozen_worker_is_killed_and_restarted(tiny):
     assert final.finish_reason == "error" and "no progress for 2 s" in final.error
     assert noticed_after >= watchdog_s  # not before its time
     assert state_then == "loading" and new_pid != pid
-    assert stats["worker_stalls"] == 1 and stats["worker_restarts"] == 1
+    assert stats.worker_stalls == 1 and stats.worker_restarts == 1
     assert f_final.finish_reason == "length"
 
 
@@ -318,7 +318,7 @@ def test_an_idle_worker_is_not_taken_for_a_frozen_one(tiny):
 
     b, pid, pid_after, stats = run(main, tiny_config(tiny, slots=1), watchdog_s=watchdog_s)
     assert b.finish_reason == "length"
-    assert pid_after == pid and stats["worker_stalls"] == 0
+    assert pid_after == pid and stats.worker_stalls == 0
 
 
 def test_stop_sequence_ends_text_before_it(tiny, tiny_tok):

@@ -62,12 +62,12 @@ def test_a_request_whose_client_got_nothing_runs_again_from_the_start(tiny, tiny
     pid, error, result, new_pid, stats = run_client(main, tiny_config(tiny, slots=1), timeout=TIMEOUT,
                                                     watchdog_s=2.0)
     assert error is None
-    assert new_pid != pid and stats["worker_restarts"] == 1
-    assert stats["worker_stalls"] == (1 if sig == signal.SIGSTOP else 0)
+    assert new_pid != pid and stats.worker_restarts == 1
+    assert stats.worker_stalls == (1 if sig == signal.SIGSTOP else 0)
     # The retry started over: the result is one whole run's, equal to the reference.
     assert result.finish_reason == "length" and result.completion_tokens == TOKENS
     assert result.text == tiny_tok.decode(ids + want)[len(tiny_tok.decode(ids)):]
-    assert stats["requests_finished"] == {"error": 1, "length": 1}
+    assert stats.requests_finished == {"error": 1, "length": 1}
 
 
 def test_a_request_whose_client_got_output_is_not_run_again(tiny, tiny_tok):
@@ -82,7 +82,7 @@ def test_a_request_whose_client_got_output_is_not_run_again(tiny, tiny_tok):
     error, result, stats = run_client(main, tiny_config(tiny, slots=1), timeout=TIMEOUT)
     assert isinstance(error, GenerationError) and "worker" in str(error)
     assert result.finish_reason == "error"
-    assert stats["requests_finished"] == {"error": 1} and stats["worker_restarts"] == 1
+    assert stats.requests_finished == {"error": 1} and stats.worker_restarts == 1
 
 
 def test_a_failed_retry_is_a_generation_error(tiny, tiny_tok):
@@ -105,4 +105,4 @@ def test_a_failed_retry_is_a_generation_error(tiny, tiny_tok):
     killed, error, stats = run_client(main, tiny_config(tiny, slots=1), timeout=TIMEOUT)
     assert len(killed) == 2 and killed[0] != killed[1]
     assert isinstance(error, GenerationError)
-    assert stats["requests_finished"] == {"error": 2}
+    assert stats.requests_finished == {"error": 2}
