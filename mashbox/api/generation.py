@@ -23,6 +23,10 @@ Rules:
   reasoning | tool_start | tool_args | tool_end); the parser mints each tool call's id
   once, with the route's prefix (`tool_id_prefix`: call_ / toolu_ / fc_).
 - Engine refusals are matched by type (engine/interface.py's NotReady / QueueFull).
+- Logprobs (fields.logprobs not None): the events' per-token logprobs wait in an
+  api/logprobs.py TokenQueue until the parser has given out (or dropped) their text,
+  then ride on the last piece of that step (an empty text piece when it has none); the
+  rest goes with the final step. `Result.logprobs` holds them all, in order.
 """
 from __future__ import annotations
 
