@@ -19,7 +19,7 @@ import pytest
 
 from api_scripted_engine import server_fixtures, text_events
 
-HEALTH_MAX_S = 1.0  # the slowest /health answer allowed meanwhile (was 30+ s, then 3 s while HF encode held the GIL); p50 is milliseconds
+HEALTH_MAX_S = 2.0  # the slowest /health answer allowed meanwhile (was 30+ s, then 3 s while HF encode held the GIL); p50 is milliseconds
 
 
 def script():
