@@ -75,8 +75,21 @@ def render(api: ApiContext) -> str:
            [("", stats.get("generated_tokens", 0))])
     metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
            [("", stats.get("prompt_tokens", 0))])
-    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-           [("", stats.get("prefix_cache_hit_tokens", 0))])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache "
+           "(a slot's or the host memory's).",
+           [("", stats.get("prefix_cache_hit_tokens", 0) + stats.get("host_cache_hit_tokens", 0))])
+    metric("host_cache_bytes", "gauge", "Bytes the host memory prompt cache holds (--cache-ram), "
+           "snapshots included, each block once.",
+           [("", stats.get("host_cache_bytes", 0) + stats.get("snapshot_bytes", 0))])
+    metric("host_cache_capacity_bytes", "gauge", "Most bytes the host memory prompt cache may hold (0 = off).",
+           [("", stats.get("host_cache_cap_bytes", 0))])
+    metric("host_cache_hits_total", "counter", "Prompt tokens restored from the host memory prompt cache.",
+           [("", stats.get("host_cache_hit_tokens", 0))])
+    metric("host_cache_evictions_total", "counter", "Host memory prompt cache blocks evicted to stay under the cap.",
+           [("", stats.get("host_cache_evictions", 0))])
+    metric("prefill_dedupes_total", "counter",
+           "Requests that waited for a running prefill of their prompt's prefix instead of computing it again.",
+           [("", stats.get("prefill_dedupes", 0))])
     metric("num_preemptions_total", "counter", "Requests preempted (mashbox never preempts).",
            [("", stats.get("preemptions", 0))])
     metric("worker_restarts_total", "counter", "Times the worker was started again after a fault.",

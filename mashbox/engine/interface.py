@@ -62,6 +62,8 @@ class EngineInfo:
     prefix_block: int = 0
     prefill_chunk: int = 0
     pid: Optional[int] = None  # the worker's process id
+    cache_namespace: Optional[str] = None  # what cached K/V is valid for (model, tokenizer, policy)
+    host_cache_cap_bytes: int = 0  # the host memory prompt cache's pool (--cache-ram), 0 = off
 
     @classmethod
     def from_wire(cls, d: dict) -> "EngineInfo":
