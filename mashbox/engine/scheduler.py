@@ -16,8 +16,8 @@ host pool holds more of than any slot (by at least a block) is admitted into the
 valuable free slot with a restore (the plan's `restores`); a free slot that is taken
 first has what it held saved to the pool (the plan's `saves`, run before anything
 overwrites the slot), and each prompt is saved when its last chunk is computed (a
-snapshot). A waiting request whose prompt shares at least a block of still uncomputed
-tokens with a request PREFILLING now is held back (`dedupes` counts it) until those
+snapshot). A waiting request whose prompt shares a prefix of at least a block with a
+request PREFILLING now, not all of it computed yet, is held back (`dedupes` counts it) until those
 tokens are computed, then admitted with a copy of them: two identical prompts that
 arrive together are prefilled once.
 
@@ -217,14 +217,14 @@ class Scheduler:
         return None
 
     def _waits_for_prefill(self, r: Request) -> bool:
-        """A request PREFILLING now shares at least a block of not yet computed prompt
-        tokens with r: r waits until they are computed, then copies them."""
+        """A request PREFILLING now shares a prefix of at least a block with r and has not
+        computed all of it yet: r waits until it has, then copies it."""
         min_copy = self.prefix.min_copy
         if r.num_prompt <= min_copy:
             return False
         prompt = None
         for other in self.running.values():
-            if other.state is not State.PREFILLING or other.num_prompt_left < min_copy:
+            if other.state is not State.PREFILLING:
                 continue
             if other.token_ids[0] != r.token_ids[0]:
                 continue
@@ -234,7 +234,7 @@ class Scheduler:
             theirs = self.slots.tokens[other.slot, :n]
             diff = np.flatnonzero(theirs != prompt[:n])
             shared = int(diff[0]) if len(diff) else n
-            if shared - other.num_computed >= min_copy:
+            if shared >= min_copy and shared > other.num_computed:
                 if not r.deferred:
                     r.deferred = True
                     self.dedupes += 1
