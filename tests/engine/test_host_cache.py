@@ -266,7 +266,7 @@ def test_a_held_back_request_does_not_block_other_waiting_ones():
     s = Scheduler(3, 2048, 64, B)
     pool = Pool(s)
     prompt = list(range(1, 41))  # leaves budget in the step for r3
-    s.add(r1 := req("1", prompt))
+    s.add(req("1", prompt))
     s.add(r2 := req("2", prompt))
     s.add(r3 := req("3", [9, 8, 7]))
     drive(s, pool)
@@ -280,7 +280,7 @@ def test_a_failed_step_forgets_the_host_pool():
     pool = Pool(s)
     s.add(ra := req("a", list(range(1, 300))))
     run_to_end(s, pool, ra)
-    s.add(rb := req("b", list(range(300, 1, -1))))
+    s.add(req("b", list(range(300, 1, -1))))
     plan = s.schedule()
     assert plan.saves
     s.step_failed(plan)
