@@ -104,15 +104,19 @@ class HostPool:
         return t[:, slot, :, start : start + count * B].unflatten(2, (count, B)).permute(0, 2, 1, 3, 4)
 
     def save(self, cache: KVCache, slot: int, start: int, blocks: tuple[int, ...]) -> None:
-        """Slot positions [start, start + len(blocks) * block) -> these pool blocks."""
+        """Slot positions [start, start + len(blocks) * block) -> these pool blocks.
+        Blocking: a device -> host copy into a strided view goes through a temporary
+        that must be complete before the pool is read."""
         for first, count, off in _runs(blocks):
             p = start + off * self.block
-            self.k[:, first : first + count].copy_(self._slot_view(cache.k, slot, p, count), non_blocking=self._async)
-            self.v[:, first : first + count].copy_(self._slot_view(cache.v, slot, p, count), non_blocking=self._async)
+            self.k[:, first : first + count].copy_(self._slot_view(cache.k, slot, p, count))
+            self.v[:, first : first + count].copy_(self._slot_view(cache.v, slot, p, count))
 
     def restore(self, cache: KVCache, slot: int, blocks: tuple[int, ...], n: int) -> None:
         """These pool blocks -> slot positions [0, len(blocks) * block); the first n are
-        the restored prefix, the rest of the last block is never read unmasked."""
+        the restored prefix, the rest of the last block is never read unmasked. On CUDA
+        the host -> device copy is queued on the compute stream, before the forward that
+        reads it."""
         for first, count, off in _runs(blocks):
             p = off * self.block
             self._slot_view(cache.k, slot, p, count).copy_(self.k[:, first : first + count], non_blocking=self._async)
