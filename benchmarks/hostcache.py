@@ -18,7 +18,7 @@ Reported:
 conversation is prefilled again, but for what a free slot still holds).
 
 Usage: python benchmarks/hostcache.py [--model PATH] [--tokens 4096] [--rounds 2]
-       [--cache-ram 2048] [--threads N] [--device auto]
+       [--cache-ram 2048] [--threads N] [--device auto] [--bandwidth-only]
 Prints the load average beside the figures: measure on a quiet machine.
 """
 from __future__ import annotations
@@ -30,7 +30,11 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# benchmarks/http.py sits next to this file: keep the folder off sys.path so `import http`
+# finds the standard library, and put the repo root on it
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 from mashbox.config import EngineConfig, GenerationRequest, SamplingParams, ServerConfig  # noqa: E402
 
@@ -112,6 +116,12 @@ def restore_bandwidth(model_path: str, tokens: int, device: str, dtype_name: str
     return nbytes / t_restore / 1e9, nbytes / t_copy / 1e9, nbytes
 
 
+def print_bandwidth(path: str, args) -> None:
+    r_bw, c_bw, nbytes = restore_bandwidth(path, args.tokens, args.device, args.dtype)
+    print(f"restore of {nbytes / 2**20:.0f} MiB ({args.tokens} tokens): {r_bw:.1f} GB/s, "
+          f"plain copy {c_bw:.1f} GB/s ({r_bw / c_bw:.0%})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: the default model)")
@@ -124,6 +134,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--bandwidth-only", action="store_true", help="only the restore vs copy bandwidth")
     args = ap.parse_args()
 
     from mashbox import registry
@@ -131,6 +142,10 @@ def main() -> int:
     from mashbox.text.tokenizer import load_tokenizer
 
     path = args.model or str(registry.pull(registry.DEFAULT_MODEL_ID))
+    if args.bandwidth_only:
+        print_bandwidth(path, args)
+        print("load average %.2f %.2f %.2f" % os.getloadavg())
+        return 0
     tok = load_tokenizer(path)
     prompts = [tok.encode(conversation_text(c, args.tokens))[: args.tokens] for c in range(args.convs)]
     ctx = args.tokens + (args.rounds + 1) * (args.max_tokens + 16) + 64
@@ -160,9 +175,7 @@ def main() -> int:
           f"({stats['host_cache_evictions']} evictions, {stats['prefill_dedupes']} dedupes); "
           f"worker RSS {rss:.0f} MiB")
     if args.cache_ram:
-        r_bw, c_bw, nbytes = restore_bandwidth(path, args.tokens, args.device, args.dtype)
-        print(f"restore of {nbytes / 2**20:.0f} MiB ({args.tokens} tokens): {r_bw:.1f} GB/s, "
-              f"plain copy {c_bw:.1f} GB/s ({r_bw / c_bw:.0%})")
+        print_bandwidth(path, args)
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return 0
 
