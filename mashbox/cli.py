@@ -19,7 +19,7 @@ import sys
 from typing import Optional, Sequence
 
 from mashbox import __version__, registry
-from mashbox.config import ROPE_SCALINGS, EngineConfig, ServerConfig
+from mashbox.config import DEFAULT_CACHE_RAM_MIB, ROPE_SCALINGS, EngineConfig, ServerConfig
 from mashbox.modelfile import ModelFileError, inspect
 
 log = logging.getLogger("mashbox")
@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
                      "own type, or linear")
     run.add_argument("--prefill-chunk", type=int, default=512,
                      help="most prompt tokens prefilled in one step, over all requests (default 512)")
+    run.add_argument("--cache-ram", type=int, default=DEFAULT_CACHE_RAM_MIB, metavar="MiB",
+                     help="host memory for the prompt cache, in MiB (default "
+                     f"{DEFAULT_CACHE_RAM_MIB}; 0 = off): the K/V of a conversation pushed out of "
+                     "its slot is kept there by prefix block, each shared block once, least "
+                     "recently used evicted first, and copied back when it returns")
     run.add_argument("--threads", type=int, default=None,
                      help="torch threads in the worker, at least 1 (default: torch's choice)")
     run.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
@@ -179,6 +184,8 @@ def _flag_errors(args: argparse.Namespace) -> Optional[str]:
         return "--prefill-chunk must be >= 1"
     if args.threads is not None and args.threads < 1:
         return "--threads must be >= 1"
+    if args.cache_ram < 0:
+        return "--cache-ram must be >= 0 MiB (0 turns the host memory prompt cache off)"
     if args.weights != "dense" and (args.dtype == "float32" or args.device == "cuda"):
         return f"--weights {args.weights} runs in bfloat16 on a CPU only"
     if args.rope_scale is not None and not 1.0 <= args.rope_scale < float("inf"):
@@ -234,7 +241,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     engine = EngineConfig(model_path=str(path), model_id=model_id, slots=args.slots, ctx=args.ctx,
                           dtype=args.dtype, device=args.device, prefill_chunk=args.prefill_chunk,
                           threads=args.threads, weights=args.weights,
-                          rope_scaling=args.rope_scaling, rope_scale=args.rope_scale)
+                          rope_scaling=args.rope_scaling, rope_scale=args.rope_scale,
+                          cache_ram_mib=args.cache_ram)
     from mashbox.api.app import serve
 
     try:

@@ -153,6 +153,10 @@ class StepEvent:
         )
 
 
+# --cache-ram's default: room for ~90k tokens of the default model's K/V in bfloat16, and
+# a small share of a small machine (the pool's pages are only touched as it fills)
+DEFAULT_CACHE_RAM_MIB = 2048
+
 # what --rope-scaling may ask for (model/model_config.py says what each does)
 ROPE_SCALINGS = ("none", "linear", "yarn", "dynamic")
 
@@ -178,6 +182,9 @@ class EngineConfig:
     # rope_scale None = ctx / the trained length for the asked type, or the model's own.
     rope_scaling: Optional[str] = None
     rope_scale: Optional[float] = None
+    # --cache-ram: MiB of host memory for the prompt cache (K/V of prompts pushed out of
+    # their slots, by prefix block, each block once); 0 = off
+    cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
 
     def __post_init__(self):
         if self.slots < 1:
@@ -196,6 +203,8 @@ class EngineConfig:
             raise ValueError(f"weights {self.weights} runs in bfloat16 only, not with dtype float32")
         if self.rope_scaling not in (None,) + ROPE_SCALINGS:
             raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}")
+        if not (isinstance(self.cache_ram_mib, int) and self.cache_ram_mib >= 0):
+            raise ValueError(f"cache_ram_mib must be an integer >= 0, not {self.cache_ram_mib!r}")
         if self.rope_scale is not None:
             if not (isinstance(self.rope_scale, (int, float)) and 1.0 <= self.rope_scale < float("inf")):
                 raise ValueError(f"rope_scale must be a number >= 1, not {self.rope_scale!r}")

@@ -193,6 +193,7 @@ def test_bad_flag_values_exit_2():
 @pytest.mark.parametrize("flags, names", [
     (("--threads", "-3"), "--threads"),
     (("--threads", "0"), "--threads"),
+    (("--cache-ram", "-1"), "--cache-ram"),
     (("--prefill-chunk", "0"), "--prefill-chunk"),
     (("--ctx", "8"), "--ctx"),
     (("--port", "0"), "--port"),
@@ -228,7 +229,7 @@ def test_help_lists_every_flag():
     assert r.returncode == 0
     for flag in ("--host", "--port", "--api-key-file", "--server-name", "--slots", "--ctx", "--dtype",
                  "--device", "--weights", "--prefill-chunk", "--threads", "--ui", "--log-level",
-                 "--rope-scaling", "--rope-scale", "--alias", "--shutdown-grace"):
+                 "--rope-scaling", "--rope-scale", "--alias", "--shutdown-grace", "--cache-ram"):
         assert flag in r.stdout, flag
 
 

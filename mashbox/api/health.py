@@ -10,8 +10,10 @@ Rules:
   model_not_found. Figures the worker measures (context length,
   weights, GB, bits per weight) come from its ready frame; before it, the configured
   values (context 0 when the model's own length is not known yet).
-- Health fields about caches and programs this build does not have are reported as
-  what they are here: 0 bytes, null ids, "uncertified".
+- The host memory prompt cache fields (--cache-ram) come from engine.stats(): cache_bytes
+  = host_cache_bytes + snapshot_bytes, each pool block counted once.
+- Health fields about programs this build does not have are reported as what they are
+  here: null ids, "uncertified".
 """
 from __future__ import annotations
 
@@ -34,12 +36,12 @@ def health_json(api: ApiContext) -> dict:
         "status": "ok" if ready else "loading",
         "live_rows": stats.running if ready else None,
         "waiting": stats.waiting,
-        "cache_bytes": 0,
-        "host_cache_bytes": 0,
-        "snapshot_bytes": 0,
-        "host_cache_cap_bytes": 0,
-        "host_cache_evictions": 0,
-        "cache_namespace": None,
+        "cache_bytes": stats.host_cache_bytes + stats.snapshot_bytes,
+        "host_cache_bytes": stats.host_cache_bytes,
+        "snapshot_bytes": stats.snapshot_bytes,
+        "host_cache_cap_bytes": stats.host_cache_cap_bytes,
+        "host_cache_evictions": stats.host_cache_evictions,
+        "cache_namespace": stats.cache_namespace,
         "deployment_id": None,
         "component_set_sha": None,
         "certification": "uncertified",
@@ -66,7 +68,7 @@ def model_json(api: ApiContext, name: str = "") -> dict:
         "max_model_len": int((info.ctx if info else 0) or api.engine_config.ctx or 0),
         "prefix_cache": True,
         "slots": int((info.slots if info else 0) or api.engine_config.slots),
-        "cache_ram_mib": 0,
+        "cache_ram_mib": int(api.engine_config.cache_ram_mib),
     }
     weights = os.path.basename((info.weights_file if info else "") or api.engine_config.model_path)
     if weights:

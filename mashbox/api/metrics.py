@@ -76,8 +76,21 @@ def render(api: ApiContext) -> str:
            [("", stats.generated_tokens)])
     metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
            [("", stats.prompt_tokens)])
-    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache.",
-           [("", stats.prefix_cache_hit_tokens)])
+    metric("prefix_cache_hits_total", "counter", "Prompt tokens served from the prefix cache "
+           "(a slot's or the host memory's).",
+           [("", stats.prefix_cache_hit_tokens + stats.host_cache_hit_tokens)])
+    metric("host_cache_bytes", "gauge", "Bytes the host memory prompt cache holds (--cache-ram), "
+           "snapshots included, each block once.",
+           [("", stats.host_cache_bytes + stats.snapshot_bytes)])
+    metric("host_cache_capacity_bytes", "gauge", "Most bytes the host memory prompt cache may hold (0 = off).",
+           [("", stats.host_cache_cap_bytes)])
+    metric("host_cache_hits_total", "counter", "Prompt tokens restored from the host memory prompt cache.",
+           [("", stats.host_cache_hit_tokens)])
+    metric("host_cache_evictions_total", "counter", "Host memory prompt cache blocks evicted to stay under the cap.",
+           [("", stats.host_cache_evictions)])
+    metric("prefill_dedupes_total", "counter",
+           "Requests that waited for a running prefill of their prompt's prefix instead of computing it again.",
+           [("", stats.prefill_dedupes)])
     metric("num_preemptions_total", "counter", "Requests preempted (mashbox never preempts).",
            [("", stats.preemptions)])
     metric("worker_restarts_total", "counter", "Times the worker was started again after a fault.",

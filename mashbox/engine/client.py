@@ -98,6 +98,7 @@ class EngineClient:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self._worker_counters: dict = {}
+        self._worker_gauges: dict = {}  # the running worker's levels (host cache bytes)
         self._counter_base: collections.Counter[str] = collections.Counter()
         self.h_ttft = Histogram(TTFT_BUCKETS)
         self.h_queue = Histogram(QUEUE_BUCKETS)
@@ -317,6 +318,7 @@ class EngineClient:
             for d in f["events"]:
                 self._deliver(StepEvent.from_wire(d))
             self._worker_counters = f.get("counters", self._worker_counters)
+            self._worker_gauges = f.get("gauges", self._worker_gauges)
         elif op == "ready":
             self.info = EngineInfo.from_wire(f["info"])
             self.state = "ok"
@@ -371,6 +373,7 @@ class EngineClient:
         for k, v in self._worker_counters.items():
             self._counter_base[k] += v
         self._worker_counters = {}
+        self._worker_gauges = {}  # a new worker starts with an empty host cache
         if self._stopping:
             return
         if not was_ready:
@@ -430,6 +433,16 @@ class EngineClient:
             prefix_cache_hits=counters.get("prefix_hits", 0),
             prefix_cache_hit_tokens=counters.get("prefix_hit_tokens", 0),
             prefix_cache_copies=counters.get("prefix_copies", 0),
+            host_cache_hits=counters.get("host_cache_hits", 0),
+            host_cache_hit_tokens=counters.get("host_cache_hit_tokens", 0),
+            host_cache_evictions=counters.get("host_cache_evictions", 0),
+            host_cache_saved_blocks=counters.get("host_cache_saved_blocks", 0),
+            host_cache_bytes=self._worker_gauges.get("host_cache_bytes", 0),
+            snapshot_bytes=self._worker_gauges.get("snapshot_bytes", 0),
+            host_cache_cap_bytes=info.host_cache_cap_bytes if info is not None else 0,
+            host_cache_block_bytes=self._worker_gauges.get("host_cache_block_bytes", 0),
+            prefill_dedupes=counters.get("prefill_dedupes", 0),
+            cache_namespace=info.cache_namespace if info is not None else None,
             preemptions=0,
             compiles_after_ready=0 if self.state == "ok" else None,  # eager torch: none
             histograms={

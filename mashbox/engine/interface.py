@@ -66,6 +66,8 @@ class EngineInfo:
     prefix_block: int = 0
     prefill_chunk: int = 0
     pid: Optional[int] = None  # the worker's process id
+    cache_namespace: Optional[str] = None  # what cached K/V is valid for (model, tokenizer, policy)
+    host_cache_cap_bytes: int = 0  # the host memory prompt cache's pool (--cache-ram), 0 = off
 
     @classmethod
     def from_wire(cls, d: dict) -> "EngineInfo":
@@ -108,6 +110,17 @@ class EngineStats:
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_copies: int = 0  # admissions whose prefix was copied from a running slot
+    # --cache-ram: the host memory prompt cache (bytes are the running worker's levels)
+    host_cache_hits: int = 0  # restores
+    host_cache_hit_tokens: int = 0
+    host_cache_evictions: int = 0
+    host_cache_saved_blocks: int = 0
+    host_cache_bytes: int = 0
+    snapshot_bytes: int = 0
+    host_cache_cap_bytes: int = 0
+    host_cache_block_bytes: int = 0
+    prefill_dedupes: int = 0  # prompts that waited to reuse a running prefill
+    cache_namespace: Optional[str] = None
     preemptions: int = 0  # mashbox never preempts
     compiles_after_ready: Optional[int] = None  # None until ready (eager torch: then 0)
     # time_to_first_token_seconds, queue_time_seconds, e2e_request_latency_seconds,

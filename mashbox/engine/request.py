@@ -63,6 +63,7 @@ class Request:
         self.stop_sequence: Optional[str] = None
         self.error: Optional[str] = None
         self.started_sent = False  # the `started` event went out
+        self.deferred = False  # held back once to reuse another request's prefill
         # perf_counter() seconds
         self.t_arrival = time.perf_counter() if arrival is None else arrival
         self.t_admit: Optional[float] = None

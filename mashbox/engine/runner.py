@@ -5,7 +5,10 @@ All tensor work of the engine lives here. Buffers are made once at start:
   or arrays on the host; on CUDA one copy each to device buffers of the same size);
 - sampling params float32[slots, 7] and RNG states uint64[slots], one row per slot, set
   when a request is admitted into the slot, so a row's draws depend on its own seed only;
-- the KV cache [layers, slots, kv_heads, ctx, head_dim] (model.kv_cache.KVCache).
+- the KV cache [layers, slots, kv_heads, ctx, head_dim] (model.kv_cache.KVCache);
+- with --cache-ram, the host pool (model.kv_cache.HostPool): the scheduler's saves and
+  restores are copied before the forward, saves first (a save may reuse a pool block a
+  later restore of the same plan must not see: the scheduler pins those).
 """
 from __future__ import annotations
 
@@ -86,6 +89,8 @@ class Runner:
                                            weights=self.weight_format, limits=self.limits)
         del weights
         self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
+        self.host_pool = kv_cache_mod.HostPool.for_cache(self.cache, cfg.prefix_block,
+                                                         cfg.cache_ram_mib * 2**20)
         log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots",
                  time.perf_counter() - t0, mc.arch, self.dtype, self.device, self.ctx, cfg.slots)
 
@@ -140,10 +145,15 @@ class Runner:
         if self._ids_dev is not self._ids_host:
             self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
             self._pos_dev[:T].copy_(self._pos_host[:T], non_blocking=True)
+        pool = self.host_pool
+        for save in plan.saves:
+            pool.save(self.cache, save.slot, save.start, save.blocks)
         for src, dst, n in plan.copies:
             # K/V of a prompt prefix another slot computed: [layers, kv_heads, n, head_dim]
             self.cache.k[:, dst, :, :n].copy_(self.cache.k[:, src, :, :n])
             self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
+        for dst, blocks, n in plan.restores:
+            pool.restore(self.cache, dst, blocks, n)
         batch = decoder_mod.Batch(
             input_ids=self._ids_dev[:T],
             positions=self._pos_dev[:T],

@@ -11,6 +11,16 @@ Every step:
    requests, the oldest one of the tenant holding the fewest slots goes first.
 3. A row whose chunk completes the prompt samples the first new token.
 
+With a host cache (`host_blocks` > 0, engine/host_cache.py): a request whose prompt the
+host pool holds more of than any slot (by at least a block) is admitted into the least
+valuable free slot with a restore (the plan's `restores`); a free slot that is taken
+first has what it held saved to the pool (the plan's `saves`, run before anything
+overwrites the slot), and each prompt is saved when its last chunk is computed (a
+snapshot). A waiting request whose prompt shares a prefix of at least a block with a
+request PREFILLING now, not all of it computed yet, is held back (`dedupes` counts it) until those
+tokens are computed, then admitted with a copy of them: two identical prompts that
+arrive together are prefilled once.
+
 After the runner ran the plan, `advance(plan)` records the computed K/V, the worker
 appends sampled ids with `append_token` and ends requests with `finish` (which frees the
 slot at once, keeping its tokens cached). `cancel` does the same for a request in any
@@ -24,6 +34,8 @@ from typing import Optional
 
 import numpy as np
 
+from mashbox import native
+from mashbox.engine.host_cache import HostCache, Match, Save
 from mashbox.engine.prefix_cache import PrefixCache
 from mashbox.engine.request import Request, State
 from mashbox.engine.slots import SlotTable
@@ -52,6 +64,10 @@ class StepPlan:
     admitted: tuple[Request, ...]  # got a slot this step
     # (src slot, dst slot, tokens): K/V [0, tokens) to copy before the forward
     copies: tuple[tuple[int, int, int], ...] = ()
+    # slot K/V -> host pool blocks, run first (before copies, restores and the forward)
+    saves: tuple[Save, ...] = ()
+    # (dst slot, pool blocks, tokens): host pool -> slot K/V [0, tokens), after the copies
+    restores: tuple[tuple[int, tuple[int, ...], int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +79,18 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, ctx: int, prefill_chunk: int, prefix_block: int) -> None:
+    def __init__(self, num_slots: int, ctx: int, prefill_chunk: int, prefix_block: int,
+                 host_blocks: int = 0, host_block_bytes: int = 0, kv_capacity: Optional[int] = None) -> None:
+        """host_blocks: pool blocks of the host cache (0 = none), host_block_bytes each;
+        kv_capacity: positions a slot's K/V buffer holds (default ctx)."""
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
         self.slots = SlotTable(num_slots, ctx)
         self.prefix = PrefixCache(self.slots, prefix_block)
+        self.host: Optional[HostCache] = (
+            HostCache(host_blocks, prefix_block, host_block_bytes, kv_capacity or ctx) if host_blocks else None)
+        self._saves: list[Save] = []  # planned since the last plan
+        self.dedupes = 0  # admissions held back to reuse a running prefill
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[str, Request] = {}  # PREFILLING or DECODING, admission order
 
@@ -99,6 +122,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> StepPlan:
+        if self.host is not None:
+            self.host.unpin()  # the last plan's restores ran
         rows: list[Row] = []
         for r in self.running.values():
             if r.state is State.DECODING:
@@ -113,12 +138,16 @@ class Scheduler:
                 budget -= self._prefill_row(r, budget, rows)
         admitted: list[Request] = []
         copies: list[tuple[int, int, int]] = []
+        restores: list[tuple[int, tuple[int, ...], int]] = []
         while budget > 0 and self.waiting and self.slots.free_slots:
             r = self._next_waiting()
-            self._admit(r, copies)
+            if r is None:  # every waiting request waits for a running prefill
+                break
+            self._admit(r, copies, restores)
             admitted.append(r)
             budget -= self._prefill_row(r, budget, rows)
-        return StepPlan(tuple(rows), tuple(admitted), tuple(copies))
+        saves, self._saves = tuple(self._saves), []
+        return StepPlan(tuple(rows), tuple(admitted), tuple(copies), saves, tuple(restores))
 
     def advance(self, plan: StepPlan) -> None:
         """The runner computed the plan's K/V."""
@@ -128,6 +157,15 @@ class Scheduler:
                 continue
             r.num_computed = row.start + len(row.token_ids)
             self.slots.computed(row.slot, r.num_computed)
+            if self.host is not None and row.sample and not row.decode:
+                self._save(row.slot, r.num_prompt)  # the prompt's end: a snapshot
+
+    def step_failed(self, plan: StepPlan) -> None:
+        """The runner raised on `plan`: its saves may not have been copied, so the host
+        pool's contents are no longer trusted."""
+        if self.host is not None and (plan.saves or self._saves):
+            self.host.clear()
+            self._saves.clear()
 
     def append_token(self, r: Request, token_id: int) -> None:
         if r.state is State.PREFILLING:
@@ -163,30 +201,89 @@ class Scheduler:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Optional[Request]:
         """The oldest waiting request of the tenant holding the fewest slots, so one
-        tenant's burst does not make the others wait behind all of it."""
-        if len(self.waiting) > 1:
-            held = collections.Counter(r.req.tenant for r in self.running.values())
-            i = min(range(len(self.waiting)), key=lambda j: (held[self.waiting[j].req.tenant], j))
-            if i:
-                r = self.waiting[i]
-                del self.waiting[i]
-                return r
-        return self.waiting.popleft()
+        tenant's burst does not make the others wait behind all of it; None when every
+        waiting request is held back for a running prefill (`_waits_for_prefill`)."""
+        held = collections.Counter(r.req.tenant for r in self.running.values())
+        order = sorted(range(len(self.waiting)), key=lambda j: (held[self.waiting[j].req.tenant], j)) \
+            if len(self.waiting) > 1 else [0]
+        for i in order:
+            r = self.waiting[i]
+            if self._waits_for_prefill(r):
+                continue
+            del self.waiting[i]
+            return r
+        return None
 
-    def _admit(self, r: Request, copies: list[tuple[int, int, int]]) -> None:
+    def _waits_for_prefill(self, r: Request) -> bool:
+        """A request PREFILLING now shares a prefix of at least a block with r and has not
+        computed all of it yet: r waits until it has, then copies it."""
+        min_copy = self.prefix.min_copy
+        if r.num_prompt <= min_copy:
+            return False
+        prompt = None
+        for other in self.running.values():
+            if other.state is not State.PREFILLING:
+                continue
+            if other.token_ids[0] != r.token_ids[0]:
+                continue
+            if prompt is None:
+                prompt = np.asarray(r.token_ids[: r.num_prompt], dtype=np.int32)
+            n = min(other.num_prompt, r.num_prompt - 1)
+            theirs = self.slots.tokens[other.slot, :n]
+            diff = np.flatnonzero(theirs != prompt[:n])
+            shared = int(diff[0]) if len(diff) else n
+            if shared >= min_copy and shared > other.num_computed:
+                if not r.deferred:
+                    r.deferred = True
+                    self.dedupes += 1
+                return True
+        return False
+
+    def _save(self, slot: int, n: int) -> None:
+        """Plan a save of slot's K/V [0, n) (what the host pool lacks of it)."""
+        tokens = self.slots.tokens[slot, :n]
+        save = self.host.plan_save(slot, tokens, native.block_hashes(tokens, self.host.block).tolist())
+        if save is not None:
+            self._saves.append(save)
+
+    def _admit(self, r: Request, copies: list[tuple[int, int, int]],
+               restores: list[tuple[int, tuple[int, ...], int]]) -> None:
         prompt = np.asarray(r.token_ids[: r.num_prompt], dtype=np.int32)
         slot, cached, source = self.prefix.lookup(prompt)
+        hit: Match = self._host_match(prompt, cached)
+        if hit.tokens:
+            # the pool holds more: undo the slot lookup's hit, take the least valuable slot
+            p = self.prefix
+            p.hits -= bool(cached)
+            p.hit_tokens -= cached
+            p.copies -= source is not None
+            slot, cached, source = self.slots.eviction_choice(), hit.tokens, None
+            self.host.count_hit(hit)
+        if self.host is not None and self.slots.kv_len[slot] > (cached if source is None and not hit.tokens else 0):
+            self._save(slot, int(self.slots.kv_len[slot]))  # what the slot held goes to the pool
         if source is not None:
             self.slots.copy_prefix(source, slot, cached)
             copies.append((source, slot, cached))
+        if hit.tokens:
+            self.slots.restore(slot, prompt[:cached])
+            restores.append((slot, hit.blocks, cached))
         self.slots.acquire(slot, r.id, r.token_ids, keep=cached)
         r.slot = slot
         r.num_computed = cached
         r.num_cached = cached
         r.move(State.PREFILLING)
         self.running[r.id] = r
+
+    def _host_match(self, prompt: np.ndarray, cached: int) -> Match:
+        """What the host pool holds of the prompt, when it is at least a block more than
+        `cached` (what a slot gives)."""
+        host = self.host
+        if host is None or len(prompt) - 1 < cached + self.prefix.min_copy:
+            return Match(0, ())
+        hit = host.match(prompt, native.block_hashes(prompt, host.block).tolist(), len(prompt) - 1)
+        return hit if hit.tokens >= cached + self.prefix.min_copy else Match(0, ())
 
     def _prefill_row(self, r: Request, budget: int, rows: list[Row]) -> int:
         n = min(r.num_prompt_left, budget)

@@ -75,6 +75,15 @@ class SlotTable:
         self.tokens[dst, :n] = self.tokens[src, :n]
         self.kv_len[dst] = n
 
+    def restore(self, dst: int, token_ids: np.ndarray) -> None:
+        """Free slot `dst` now holds these tokens (the runner copies their K/V from the
+        host pool before the step's forward)."""
+        if self.owner[dst] is not None:
+            raise RuntimeError(f"slot {dst} is owned by {self.owner[dst]}")
+        n = len(token_ids)
+        self.tokens[dst, :n] = token_ids
+        self.kv_len[dst] = n
+
     def append(self, slot: int, position: int, token_id: int) -> None:
         """Record a sampled token at `position` (its K/V comes next step)."""
         self.tokens[slot, position] = token_id

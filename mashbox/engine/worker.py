@@ -48,7 +48,10 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model_path)
         self.eos_ids = frozenset(self.tokenizer.eos_ids)
         self.ctx = self.runner.ctx
-        self.scheduler = Scheduler(cfg.slots, self.ctx, cfg.prefill_chunk, cfg.prefix_block)
+        pool, cache = self.runner.host_pool, self.runner.cache
+        self.scheduler = Scheduler(cfg.slots, self.ctx, cfg.prefill_chunk, cfg.prefix_block,
+                                   host_blocks=pool.num_blocks, host_block_bytes=pool.block_bytes(cache, pool.block),
+                                   kv_capacity=cache.capacity)
         self._outputs: dict[str, _Output] = {}
         self._pending: list[StepEvent] = []  # events made between steps (cancel, errors)
         self.steps = 0
@@ -71,12 +74,50 @@ class Engine:
             "prefix_block": self.cfg.prefix_block,
             "prefill_chunk": self.cfg.prefill_chunk,
             "pid": os.getpid(),
+            "cache_namespace": self.cache_namespace(),
+            "host_cache_cap_bytes": self.scheduler.host.cap_bytes if self.scheduler.host is not None else 0,
         }
+
+    def cache_namespace(self) -> str:
+        """What cached K/V is valid for: the model (id, architecture, weights file by name,
+        size and mtime), the tokenizer and chat template files, the compute dtype and
+        device type, and the cache policy (block size, layout version)."""
+        import hashlib
+
+        r = self.runner
+        parts = [self.cfg.model_id, r.model_config.arch, str(r.dtype), r.device.type,
+                 f"block={self.cfg.prefix_block}", "kv-layout=1", self.cfg.weights,
+                 str(self.cfg.rope_scaling), str(self.cfg.rope_scale)]
+        path = self.cfg.model_path
+        files = [path] if os.path.isfile(path) else [
+            os.path.join(path, f) for f in sorted(os.listdir(path)) if os.path.isfile(os.path.join(path, f))]
+        h = hashlib.sha256("\0".join(parts).encode())
+        for f in files:
+            st = os.stat(f)
+            name = os.path.basename(f)
+            h.update(f"\0{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+            if name.startswith("tokenizer") or name.endswith(".jinja"):  # small: the template lives here
+                with open(f, "rb") as fh:
+                    h.update(hashlib.sha256(fh.read()).digest())
+        return "mashbox-kv1-" + h.hexdigest()[:16]
 
     def counters(self) -> dict:
         p = self.scheduler.prefix
-        return {"prefix_lookups": p.lookups, "prefix_hits": p.hits, "prefix_hit_tokens": p.hit_tokens,
-                "prefix_copies": p.copies}
+        out = {"prefix_lookups": p.lookups, "prefix_hits": p.hits, "prefix_hit_tokens": p.hit_tokens,
+               "prefix_copies": p.copies, "prefill_dedupes": self.scheduler.dedupes}
+        h = self.scheduler.host
+        if h is not None:
+            out.update(host_cache_hits=h.hits, host_cache_hit_tokens=h.hit_tokens,
+                       host_cache_evictions=h.evictions, host_cache_saved_blocks=h.saved_blocks)
+        return out
+
+    def gauges(self) -> dict:
+        """Levels now (not summed over worker restarts, unlike counters)."""
+        h = self.scheduler.host
+        if h is None:
+            return {}
+        return {"host_cache_bytes": h.host_bytes, "snapshot_bytes": h.snapshot_bytes,
+                "host_cache_cap_bytes": h.cap_bytes, "host_cache_block_bytes": h.block_bytes}
 
     @property
     def has_work(self) -> bool:
@@ -124,6 +165,7 @@ class Engine:
             sampled = self.runner.run(plan, sched.slots.tokens)
         except Exception as e:  # a failed forward ends the step's requests, not the worker
             log.exception("step failed")
+            sched.step_failed(plan)
             for row in plan.rows:
                 r = row.request
                 if not r.finished:
@@ -283,7 +325,7 @@ def serve(pipe: _Pipe, engine: Engine) -> None:
         now = time.monotonic()
         if events:
             pipe.send({"op": "events", "events": [e.to_wire() for e in events],
-                       "counters": engine.counters()})
+                       "counters": engine.counters(), "gauges": engine.gauges()})
             last_sent = now
         elif now - last_sent >= frames.ALIVE_EVERY_S:  # the client's watchdog hears progress
             pipe.send({"op": "alive"})

@@ -25,7 +25,9 @@ METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"
            "request_success_total", "prompt_tokens_total", "generation_tokens_total",
            "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
            "worker_restarts_total", "compiles_after_ready_total", "time_to_first_token_seconds",
-           "request_queue_time_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds")
+           "request_queue_time_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds",
+           "host_cache_bytes", "host_cache_capacity_bytes", "host_cache_hits_total", "host_cache_evictions_total",
+           "prefill_dedupes_total")
 
 
 @pytest.mark.slow
@@ -38,6 +40,9 @@ class TestRealServer:
             assert h["status"] == "ok"
             assert type(h["waiting"]) is int and type(h["live_rows"]) is int
             assert isinstance(h["worker_pid"], int) and h["worker_restarts"] == 0
+            # the default --cache-ram: a pool of whole blocks under 2048 MiB, what it holds counted once
+            assert 0 < h["host_cache_cap_bytes"] <= 2048 << 20 and h["cache_namespace"].startswith("mashbox-kv1-")
+            assert h["cache_bytes"] == h["host_cache_bytes"] + h["snapshot_bytes"] <= h["host_cache_cap_bytes"]
         r = httpx.head(base_url + "/v1/health")
         assert r.status_code == 200 and r.content == b""
 
@@ -67,6 +72,7 @@ class TestRealServer:
         m = data["data"][0]
         assert m["id"] == model_id and m["object"] == "model" and m["owned_by"] == "mashbox-labs"
         assert m["created"] == 0 and m["max_model_len"] == 4096 and m["slots"] == 4
+        assert m["cache_ram_mib"] == 2048  # the default --cache-ram
         assert m["weights"].endswith(".gguf") and m["bpw"] > 4 and m["gb"] > 0
         assert httpx.get(base_url + f"/v1/models/{model_id}").json() == m
         r = httpx.get(base_url + "/v1/models/gpt-4o")
