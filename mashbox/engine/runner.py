@@ -112,12 +112,18 @@ class Runner:
         self.num_prompt[slot] = num_prompt
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, slot_tokens: np.ndarray) -> list[int]:
+    def run(self, plan: StepPlan, slot_tokens: np.ndarray, constraints=None) -> list[int]:
         """Run one step; returns the sampled ids of the plan's rows with `sample`, in order.
 
         slot_tokens: int32[slots, ctx+1], the SlotTable's tokens (penalty histories).
+        constraints: engine.constraints.ConstraintTable; its masks are computed during the
+        forward and applied to the logits before sampling.
         """
         rows = plan.rows
+        if constraints is not None and constraints.active:
+            constraints.begin([row.request.id for row in rows if row.sample])
+        else:
+            constraints = None
         if plan.num_tokens > self.max_tokens:
             raise RuntimeError(f"step of {plan.num_tokens} tokens exceeds the buffers ({self.max_tokens})")
         T = 0
@@ -149,6 +155,8 @@ class Runner:
         if len(pick) != len(rows):
             logits = logits[pick]
         logits_np = np.ascontiguousarray(logits.float().cpu().numpy())  # [n, vocab]
+        if constraints is not None:
+            constraints.apply(logits_np)
         # a row's penalty history: its prompt + the ids sampled before this step
         hist_lens = [len(rows[i].request.token_ids) for i in pick]
         return self.sample(logits_np, slots, slot_tokens, hist_lens)

@@ -1,0 +1,178 @@
+"""Grammars for constrained decoding: a `Constraint` -> the llguidance grammar it means.
+
+Rules:
+- One function makes the llguidance grammar text of a Constraint (`llguidance_grammar`);
+  the server checks it (`check`, a 400 before anything is queued) and the worker compiles
+  the same text into a matcher, so the two never disagree.
+- JSON is written one way: no free whitespace, `", "` between items and `": "` after keys
+  (what json.dumps and the models write). Free whitespace would let a small model loop
+  on newlines until max_tokens; a schema's own "x-guidance" options still win.
+- `strict_schema` closes every object that lists `properties` and says nothing of
+  `additionalProperties` (OpenAI's strict mode): a small model otherwise invents keys
+  (it copies "type" / "properties" out of the schema it was shown). Tool arguments are
+  always strict; response formats when the client says `strict: true`.
+- Tool calls are mashbox's `<tool_call>` form (text/tool_prompt.py); the markers are
+  special tokens when the vocabulary has them (Qwen), text otherwise. The call body is
+  `{"name": N, "arguments": A}` with N one of the declared tools and A that tool's
+  schema. Auto mode is lazy: free text, in which the opening marker starts a bound call
+  (the text itself may not hold the marker otherwise); forced modes start after the
+  prompt's forced opening and allow nothing but the call(s); `none` forbids the marker.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Sequence
+
+from mashbox.config import Constraint
+from mashbox.text import tool_prompt
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT = {"type": "object"}
+
+
+class GrammarError(ValueError):
+    """The constraint cannot be compiled; the message says why (llguidance's words)."""
+
+
+def _llg():
+    import llguidance  # imported on first use: only constrained requests need it
+
+    return llguidance
+
+
+def styled(schema: Any) -> dict:
+    """The schema with mashbox's JSON style as its defaults (its own x-guidance wins)."""
+    if not isinstance(schema, dict):
+        raise GrammarError("the schema must be a JSON object")
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**JSON_STYLE, **(own if isinstance(own, dict) else {})}}
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with additionalProperties: false on every object that lists properties
+    and leaves it unsaid (module rules); other values unchanged."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_schema(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def llguidance_grammar(c: Constraint) -> str:
+    """The llguidance grammar text of a constraint; GrammarError when it is not one."""
+    llg = _llg()
+    if c.kind in ("json_schema", "json_object"):
+        if c.kind == "json_object":
+            schema: Any = ANY_OBJECT
+        else:
+            try:
+                schema = json.loads(c.grammar)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the schema is not JSON: {exc}") from None
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(styled(schema))
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from None
+    return llg.LLMatcher.grammar_from_lark(c.grammar)
+
+
+def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
+    """llguidance's tokenizer of a mashbox text.tokenizer.Tokenizer (~0.3 s: make it once).
+    n_vocab: the model's vocabulary when it is larger than the tokenizer's (padding rows)."""
+    llg = _llg()
+    return llg.LLTokenizer(tokenizer.hf.to_str(), n_vocab=n_vocab, eos_token=list(tokenizer.eos_ids))
+
+
+def check(c: Constraint, lltok) -> Optional[str]:
+    """None when the constraint compiles for this tokenizer, else the reason it does not."""
+    try:
+        grammar = llguidance_grammar(c)
+    except GrammarError as exc:
+        return str(exc)
+    is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+    return messages[0] if is_error else None
+
+
+def matcher(c: Constraint, lltok):
+    """A fresh llguidance LLMatcher of the constraint; GrammarError when it does not compile."""
+    m = _llg().LLMatcher(lltok, llguidance_grammar(c), log_level=0)
+    if m.is_error():
+        raise GrammarError(m.get_error())
+    return m
+
+
+# -- tool calls --------------------------------------------------------------------------
+
+
+def call_schema(tools: Sequence[dict]) -> dict:
+    """The JSON Schema of one call body: {"name": one tool, "arguments": its parameters}."""
+    options = []
+    for t in tools:
+        spec = tool_prompt.tool_spec(t)
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": spec["name"]}, "arguments": strict_schema(spec["parameters"])},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        })
+    return styled(options[0] if len(options) == 1 else {"anyOf": options})
+
+
+def _marker(text: str, special: bool) -> str:
+    """A marker in Lark: the special token `<tool_call>` or the quoted text."""
+    return text if special else json.dumps(text)
+
+
+NO_MARKER_TEXT = r"/(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
+
+
+def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], parallel: bool,
+                      special: bool) -> str:
+    """The Lark grammar of an answer under a tool choice (module rules).
+
+    mode: auto | none | required | named (api/prompt.py's ToolChoice). For required and
+    named the prompt already ends with the forced opening (tool_prompt.forced_call_prefix
+    of the name or of None): the grammar is what follows it. special: the markers are
+    special tokens of the vocabulary.
+    """
+    open_m = _marker(tool_prompt.CALL_OPEN, special)
+    close_m = _marker(tool_prompt.CALL_CLOSE, special)
+    lines = ["%llguidance {}"]
+    if special:
+        free = r"/(.|\n)*/"  # text cannot make a special token: the marker is the grammar's only
+    else:
+        free = NO_MARKER_TEXT
+    if mode == "none":
+        lines += ["start: FREE", f"FREE: {free}"]
+        return "\n".join(lines) + "\n"
+    body = json.dumps(call_schema(tools))
+    call = f'call: {open_m} "\\n" %json {body} "\\n" {close_m}'
+    more = ' ("\\n" call)*' if parallel else ""
+    if mode == "auto":
+        # lazy: free text up to the first marker, then a bound call
+        if special:
+            call = f'call: FREE {open_m} "\\n" %json {body} "\\n" {close_m}'
+        else:
+            call = f'call_open[lazy]: FREE {open_m}\ncall: call_open "\\n" %json {body} "\\n" {close_m}'
+        head = "call* FREE" if parallel else "call? FREE"
+        lines += [f"start: {head}", f"FREE: {free}", call]
+        return "\n".join(lines) + "\n"
+    if mode == "required" and len(tools) == 1:  # forced like a named call (api/prompt.py)
+        mode, name = "named", tool_prompt.tool_spec(tools[0])["name"]
+    if mode == "named":
+        # the prompt ends inside the call, at its arguments; later calls (parallel) are
+        # calls of the named tool too
+        chosen = [t for t in tools if tool_prompt.tool_spec(t)["name"] == name]
+        if not chosen:
+            raise ValueError(f"no tool named {name!r}")
+        args = json.dumps(styled(strict_schema(tool_prompt.tool_spec(chosen[0])["parameters"])))
+        call = f'call: {open_m} "\\n" %json {json.dumps(call_schema(chosen))} "\\n" {close_m}'
+        lines += [f'start: %json {args} "}}\\n" {close_m}{more}', call]
+        return "\n".join(lines) + "\n"
+    if mode == "required":
+        lines += [f'start: %json {body} "\\n" {close_m}{more}', call]
+        return "\n".join(lines) + "\n"
+    raise ValueError(f"tool choice mode {mode!r}")
