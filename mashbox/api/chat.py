@@ -12,12 +12,16 @@ Rules:
 - Tools other than `function` are skipped (mashbox cannot run them). tool_choice: auto
   (default), none, required, or {"type": "function", "function": {"name"}}; required and
   named need tools, and a named one must be among them.
-- Not supported, 400 naming the field: n != 1, logprobs true, top_logprobs,
-  response_format other than text.
+- response_format: text, json_object (any JSON object) or json_schema {name, schema,
+  strict}: the answer is JSON valid for the schema (strict: objects closed, see
+  text/grammar.py), decoded under that grammar, and ends when the value is complete.
+  parallel_tool_calls false: at most one call.
+- Not supported, 400 naming the field: n != 1, logprobs true, top_logprobs.
 - stream_options.include_usage adds the usage chunk to a stream.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import orjson
@@ -26,7 +30,9 @@ from mashbox.api import common, content, pipeline
 from mashbox.api.chat_answer import ChunkWriter
 from mashbox.api.common import OPENAI, ApiContext, bad_request
 from mashbox.api.pipeline import ApiRequest
-from mashbox.api.prompt import Conversation, Prompt, ToolChoice
+from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice
+from mashbox.config import Constraint
+from mashbox.text import grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio", "input_image", "input_file")
@@ -196,14 +202,35 @@ def read_unsupported(body: dict) -> None:
     if body.get("top_logprobs") is not None:
         common.get_int(body, "top_logprobs", None)
         raise bad_request("top_logprobs is not supported (log probabilities are not computed).", "top_logprobs")
+
+
+def to_output_format(body: dict) -> Optional[OutputFormat]:
+    """response_format: text (None), json_object, or json_schema {name, schema, strict}."""
     fmt = common.get_object(body, "response_format", None)
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise bad_request(f"response_format {kind} is not supported (no structured output); only text.",
-                              "response_format")
-        if kind != "text":
-            raise bad_request(f"response_format.type must be text, not {kind!r}.", "response_format.type")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat(Constraint("json_object"), "response_format")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}.",
+                          "response_format.type")
+    spec = common.get_object(fmt, "json_schema", None, param="response_format.json_schema")
+    if spec is None:
+        raise bad_request("response_format.json_schema is required when the type is json_schema.",
+                          "response_format.json_schema")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("response_format.json_schema.name must be a string.", "response_format.json_schema.name")
+    strict = common.get_bool(spec, "strict", False, param="response_format.json_schema.strict")
+    schema = common.get_object(spec, "schema", None, param="response_format.json_schema.schema")
+    if schema is None:
+        return OutputFormat(Constraint("json_object"), "response_format.json_schema")
+    if strict:
+        schema = grammar.strict_schema(schema)
+    return OutputFormat(Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema")
 
 
 def read_enable_thinking(body: dict) -> Optional[bool]:
@@ -229,7 +256,9 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     tools = to_tools(body.get("tools"))
     choice = to_tool_choice(body.get("tool_choice"), tools)
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
-                        enable_thinking=read_enable_thinking(body), later_system="join")
+                        enable_thinking=read_enable_thinking(body), later_system="join",
+                        output_format=to_output_format(body),
+                        parallel_tool_calls=common.get_bool(body, "parallel_tool_calls", None))
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
     return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage, model=model)
 

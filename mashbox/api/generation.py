@@ -140,6 +140,7 @@ class Generation:
             stops=fields.stops,
             max_tokens=prompt.max_tokens,
             ignore_eos=ignore_eos,
+            constraint=prompt.constraint,
         )
         self._tool_id_prefix = tool_id_prefix
         self._parser = self._new_parser()

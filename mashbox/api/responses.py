@@ -20,8 +20,10 @@ Rules:
   every other tool type mashbox cannot run are skipped.
 - reasoning: no `reasoning` object -> the template's default; effort "none" or
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
-- Refused (400 naming the field): an `include` entry naming logprobs, top_logprobs,
-  text.format other than {"type": "text"}.
+- text.format: text, json_object, or json_schema {name, schema, strict}: the output
+  text is JSON valid for the schema (decoded under its grammar); parallel_tool_calls
+  false: at most one call.
+- Refused (400 naming the field): an `include` entry naming logprobs, top_logprobs.
 - The Response repeats request fields (`echo_fields`).
 """
 from __future__ import annotations
@@ -33,7 +35,9 @@ from typing import Any, Optional
 from mashbox.api import common, content, pipeline
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.api.pipeline import ApiRequest
-from mashbox.api.prompt import Conversation, Prompt, ToolChoice
+from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice
+from mashbox.config import Constraint
+from mashbox.text import grammar
 from mashbox.api.response_answer import ResponseStream, ToolRef
 
 log = logging.getLogger(__name__)
@@ -340,16 +344,36 @@ def check_unsupported(body: dict) -> None:
                 raise bad_request("include", f"{entry!r}: log probabilities are not supported")
     if body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs", "log probabilities are not supported")
+
+
+def output_format(body: dict) -> Optional[OutputFormat]:
+    """text.format: text (None), json_object, or json_schema {name, schema, strict}."""
     text = body.get("text")
-    if text is not None:
-        if not isinstance(text, dict):
-            raise bad_request("text", "must be an object")
-        fmt = text.get("format")
-        if fmt is not None:
-            kind = fmt.get("type") if isinstance(fmt, dict) else None
-            if kind != "text":
-                raise bad_request("text.format", f"only {{\"type\": \"text\"}} is supported, not {kind!r} "
-                                                 "(structured output is not supported)")
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat(Constraint("json_object"), "text.format")
+    if kind != "json_schema":
+        raise bad_request("text.format.type", f"must be text, json_object or json_schema, not {kind!r}")
+    strict = common.get_bool(fmt, "strict", False, param="text.format.strict")
+    schema = fmt.get("schema")
+    if schema is None:
+        return OutputFormat(Constraint("json_object"), "text.format")
+    if not isinstance(schema, dict):
+        raise bad_request("text.format.schema", "must be an object (a JSON Schema)")
+    if strict:
+        schema = grammar.strict_schema(schema)
+    return OutputFormat(Constraint("json_schema", json.dumps(schema)), "text.format.schema")
 
 
 def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
@@ -362,6 +386,8 @@ def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
         tools=tools,
         tool_choice=choice,
         enable_thinking=enable_thinking(body.get("reasoning")),
+        output_format=output_format(body),
+        parallel_tool_calls=common.get_bool(body, "parallel_tool_calls", None),
     )
     return conv, refs
 
@@ -388,7 +414,9 @@ def echo_fields(body: dict) -> dict:
     echo["parallel_tool_calls"] = common.get_bool(body, "parallel_tool_calls", False)
     echo["tool_choice"] = body.get("tool_choice") if body.get("tool_choice") is not None else "auto"
     echo["tools"] = body.get("tools") or []
-    echo["text"] = {"format": {"type": "text"}}
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    echo["text"] = {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}
     echo["truncation"] = "disabled"
     return echo
 

@@ -129,8 +129,21 @@ def _marker(text: str, special: bool) -> str:
 NO_MARKER_TEXT = r"/(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 
 
+def json_lark(c: Constraint) -> str:
+    """A JSON constraint as a Lark expression (`%json {...}`), to sit inside a grammar."""
+    if c.kind == "json_object":
+        return f"%json {json.dumps(styled(ANY_OBJECT))}"
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.grammar)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the schema is not JSON: {exc}") from None
+        return f"%json {json.dumps(styled(schema))}"
+    raise GrammarError(f"a {c.kind} constraint cannot be combined with tool calls")
+
+
 def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], parallel: bool,
-                      special: bool) -> str:
+                      special: bool, fmt: Optional[Constraint] = None) -> str:
     """The Lark grammar of an answer under a tool choice (module rules).
 
     mode: auto | none | required | named (api/prompt.py's ToolChoice). For required and
@@ -151,6 +164,10 @@ def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], par
     body = json.dumps(call_schema(tools))
     call = f'call: {open_m} "\\n" %json {body} "\\n" {close_m}'
     more = ' ("\\n" call)*' if parallel else ""
+    if mode == "auto" and fmt is not None:
+        calls = "call" + more
+        lines += [f"start: {json_lark(fmt)} | {calls}", call]
+        return "\n".join(lines) + "\n"
     if mode == "auto":
         # lazy: free text up to the first marker, then a bound call
         if special:
