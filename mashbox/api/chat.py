@@ -13,15 +13,14 @@ Rules:
   (default), none, required, or {"type": "function", "function": {"name"}}; required and
   named need tools, and a named one must be among them.
 - response_format: text, json_object (any JSON object) or json_schema {name, schema,
-  strict}: the answer is JSON valid for the schema (strict: objects closed, see
-  text/grammar.py), decoded under that grammar, and ends when the value is complete.
+  strict}: the answer is JSON valid for the schema (objects closed whatever strict
+  says, see text/grammar.py), decoded under that grammar, and ends when the value is complete.
   parallel_tool_calls false: at most one call.
 - Not supported, 400 naming the field: n != 1, logprobs true, top_logprobs.
 - stream_options.include_usage adds the usage chunk to a stream.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import orjson
@@ -224,13 +223,12 @@ def to_output_format(body: dict) -> Optional[OutputFormat]:
     name = spec.get("name")
     if name is not None and not isinstance(name, str):
         raise bad_request("response_format.json_schema.name must be a string.", "response_format.json_schema.name")
-    strict = common.get_bool(spec, "strict", False, param="response_format.json_schema.strict")
+    # strict is read and checked; every schema is decoded closed (text/grammar.py)
+    common.get_bool(spec, "strict", False, param="response_format.json_schema.strict")
     schema = common.get_object(spec, "schema", None, param="response_format.json_schema.schema")
     if schema is None:
         return OutputFormat(Constraint("json_object"), "response_format.json_schema")
-    if strict:
-        schema = grammar.strict_schema(schema)
-    return OutputFormat(Constraint("json_schema", json.dumps(schema)), "response_format.json_schema.schema")
+    return OutputFormat(grammar.json_schema_constraint(schema), "response_format.json_schema.schema")
 
 
 def read_enable_thinking(body: dict) -> Optional[bool]:

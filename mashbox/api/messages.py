@@ -30,7 +30,6 @@ Rules:
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator, Optional
 
 from mashbox.api import common, content, pipeline
@@ -38,7 +37,6 @@ from mashbox.api.common import ANTHROPIC, ApiContext
 from mashbox.api.message_answer import MessageStream
 from mashbox.api.pipeline import ApiRequest
 from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice, count_chat_tokens
-from mashbox.config import Constraint
 from mashbox.text import grammar
 from mashbox.http.response import json_response
 
@@ -307,8 +305,7 @@ def output_format(body: dict) -> Optional[OutputFormat]:
     schema = fmt.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("output_config.format.schema", "must be an object (a JSON Schema)")
-    return OutputFormat(Constraint("json_schema", json.dumps(grammar.strict_schema(schema))),
-                        "output_config.format.schema")
+    return OutputFormat(grammar.json_schema_constraint(schema), "output_config.format.schema")
 
 
 def parallel_tool_calls(choice: Any) -> Optional[bool]:

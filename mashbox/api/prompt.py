@@ -268,11 +268,11 @@ def answer_constraint(api: ApiContext, conv: Conversation) -> Optional[Constrain
     if not conv.tools or (mode == "none" and fmt is not None):
         constraint, field = (fmt.constraint, fmt.field) if fmt is not None else (None, "")
     else:
-        special = TOOL_CALL_OPEN in api.tokenizer.special_tokens
+        added = api.tokenizer.added_tokens
         try:
             parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
             lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
-                                             special, fmt.constraint if fmt is not None and mode == "auto" else None)
+                                             added, fmt.constraint if fmt is not None and mode == "auto" else None)
         except grammar.GrammarError as exc:
             field = fmt.field if fmt is not None else "tools"
             raise bad_request(f"{field}: {exc}", field) from None

@@ -365,15 +365,13 @@ def output_format(body: dict) -> Optional[OutputFormat]:
         return OutputFormat(Constraint("json_object"), "text.format")
     if kind != "json_schema":
         raise bad_request("text.format.type", f"must be text, json_object or json_schema, not {kind!r}")
-    strict = common.get_bool(fmt, "strict", False, param="text.format.strict")
+    common.get_bool(fmt, "strict", False, param="text.format.strict")  # every schema is closed (grammar.py)
     schema = fmt.get("schema")
     if schema is None:
         return OutputFormat(Constraint("json_object"), "text.format")
     if not isinstance(schema, dict):
         raise bad_request("text.format.schema", "must be an object (a JSON Schema)")
-    if strict:
-        schema = grammar.strict_schema(schema)
-    return OutputFormat(Constraint("json_schema", json.dumps(schema)), "text.format.schema")
+    return OutputFormat(grammar.json_schema_constraint(schema), "text.format.schema")
 
 
 def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:

@@ -9,10 +9,13 @@ Rules:
   on newlines until max_tokens; a schema's own "x-guidance" options still win.
 - `strict_schema` closes every object that lists `properties` and says nothing of
   `additionalProperties` (OpenAI's strict mode): a small model otherwise invents keys
-  (it copies "type" / "properties" out of the schema it was shown). Tool arguments are
-  always strict; response formats when the client says `strict: true`.
-- Tool calls are mashbox's `<tool_call>` form (text/tool_prompt.py); the markers are
-  special tokens when the vocabulary has them (Qwen), text otherwise. The call body is
+  (it copies "type" / "properties" out of the schema it was shown, or writes
+  "population_per_family_per_capita" keys until max_tokens). A closed object is still
+  valid for the open schema, so every schema is closed: tool arguments and response
+  formats alike, whatever `strict` says. allOf branches are left open (closing each
+  would forbid the other branches' keys).
+- Tool calls are mashbox's `<tool_call>` form (text/tool_prompt.py); a marker is its
+  token when the vocabulary has it as an added token (Qwen), text otherwise. The call body is
   `{"name": N, "arguments": A}` with N one of the declared tools and A that tool's
   schema. Auto mode is lazy: free text, in which the opening marker starts a bound call
   (the text itself may not hold the marker otherwise); forced modes start after the
@@ -21,7 +24,7 @@ Rules:
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from mashbox.config import Constraint
 from mashbox.text import tool_prompt
@@ -55,10 +58,15 @@ def strict_schema(schema: Any) -> Any:
         return [strict_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: strict_schema(v) for k, v in schema.items()}
+    out = {k: (v if k == "allOf" else strict_schema(v)) for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
         out["additionalProperties"] = False
     return out
+
+
+def json_schema_constraint(schema: dict) -> Constraint:
+    """The Constraint of a response format's schema (closed: module rules)."""
+    return Constraint("json_schema", json.dumps(strict_schema(schema)))
 
 
 def llguidance_grammar(c: Constraint) -> str:
@@ -143,7 +151,7 @@ def json_lark(c: Constraint) -> str:
 
 
 def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], parallel: bool,
-                      special: bool, fmt: Optional[Constraint] = None) -> str:
+                      added: Collection[str] = (), fmt: Optional[Constraint] = None) -> str:
     """The Lark grammar of an answer under a tool choice (module rules).
 
     mode: auto | none | required | named (api/prompt.py's ToolChoice). For required and
@@ -151,13 +159,12 @@ def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], par
     of the name or of None): the grammar is what follows it. special: the markers are
     special tokens of the vocabulary.
     """
-    open_m = _marker(tool_prompt.CALL_OPEN, special)
-    close_m = _marker(tool_prompt.CALL_CLOSE, special)
+    open_m = _marker(tool_prompt.CALL_OPEN, tool_prompt.CALL_OPEN in added)
+    close_m = _marker(tool_prompt.CALL_CLOSE, tool_prompt.CALL_CLOSE in added)
+    special = tool_prompt.CALL_OPEN in added
     lines = ["%llguidance {}"]
-    if special:
-        free = r"/(.|\n)*/"  # text cannot make a special token: the marker is the grammar's only
-    else:
-        free = NO_MARKER_TEXT
+    # free text never spells the marker out either (the parser reads text, not ids)
+    free = NO_MARKER_TEXT
     if mode == "none":
         lines += ["start: FREE", f"FREE: {free}"]
         return "\n".join(lines) + "\n"
