@@ -16,7 +16,9 @@ Rules:
   wrote), namespace (each inner tool is shown to the model as `<namespace>__<name>`, or
   `<namespace><name>` when the namespace already ends in `_` or `.`, and its calls
   carry `namespace` and the inner name back), custom (shown as a function with one
-  string parameter `input`; the call's `input` is that string, raw). web_search and
+  string parameter `input`; the call's `input` is that string, raw; a regex grammar
+  format becomes that string's pattern, so the input is decoded under it; a lark one
+  is shown in the description). web_search and
   every other tool type mashbox cannot run are skipped.
 - reasoning: no `reasoning` object -> the template's default; effort "none" or
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
@@ -36,9 +38,9 @@ from mashbox.api import common, content, pipeline
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.api.pipeline import ApiRequest
 from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice
+from mashbox.api.response_answer import ResponseStream, ToolRef
 from mashbox.config import Constraint
 from mashbox.text import grammar
-from mashbox.api.response_answer import ResponseStream, ToolRef
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +97,14 @@ def _function_tool(tool: dict, field: str, namespace: Optional[str]) -> tuple[di
     if kind == "custom":
         parameters = CUSTOM_INPUT_PARAMETERS
         fmt = tool.get("format")
-        if isinstance(description, (str, type(None))) and isinstance(fmt, dict) and \
+        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and fmt.get("syntax") == "regex" and \
+                isinstance(fmt.get("definition"), str):
+            # the call's input is decoded under the regex (the arguments' schema: grammar.py)
+            parameters = {**CUSTOM_INPUT_PARAMETERS, "properties": {"input": {
+                **CUSTOM_INPUT_PARAMETERS["properties"]["input"], "pattern": f"^(?:{fmt['definition']})$"}}}
+        elif isinstance(description, (str, type(None))) and isinstance(fmt, dict) and \
                 fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-            # The model cannot be held to the grammar; showing it is the next best thing.
+            # A Lark grammar cannot hold a JSON string's content; showing it is the next best thing.
             extra = f"The input must follow this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
             description = f"{description}\n\n{extra}" if description else extra
     pname = prompt_name(namespace, name) if isinstance(name, str) else None

@@ -243,3 +243,15 @@ def test_auto_calls_are_bound_and_none_forbids_the_marker(openai_client, model_i
     for r in _concurrently(none, asks):
         m = r.choices[0].message
         assert not m.tool_calls and "<tool_call>" not in (m.content or "")
+
+
+def test_responses_custom_tool_with_a_regex_grammar(openai_client, model_id):
+    import re
+
+    tool = {"type": "custom", "name": "set_code", "description": "Set the access code.",
+            "format": {"type": "grammar", "syntax": "regex", "definition": "[0-9]{3}-[a-z]{2}"}}
+    r = openai_client.responses.create(model=model_id, max_output_tokens=MAX_TOKENS, tools=[tool],
+                                       tool_choice={"type": "custom", "name": "set_code"},
+                                       input="Set the access code to something.")
+    assert [o.type for o in r.output] == ["custom_tool_call"], r.output
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.output[0].input), r.output[0].input
