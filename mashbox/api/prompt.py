@@ -34,7 +34,8 @@ Rules:
   forced to call repeats the call until max_tokens when it may); auto -> free
   text whose calls are bound to the tools (lazy), or, with a response format, either
   the formatted value or the call(s) (several unless parallel_tool_calls is false); none -> text that may not open a call. Without
-  tools, the response format alone.
+  tools, the response format alone; for a model that reasons, after a thought (the
+  think block the prompt opened, or an optional one).
 - max_tokens: default = what is left of the context after the prompt; a larger request
   is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
   token is a 400 that says by how many tokens it is too long.
@@ -261,8 +262,10 @@ def _ll_tokenizer(tokenizer):
     return _LL_TOKENIZERS[key]
 
 
-def answer_constraint(api: ApiContext, conv: Conversation) -> Optional[Constraint]:
-    """The conversation's Constraint (module rules), checked; a 400 names the bad field."""
+def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[Constraint]:
+    """The conversation's Constraint (module rules), checked; a 400 names the bad field.
+    A response format for a model that reasons lets it think first (`in_reasoning`: the
+    prompt opened the think block)."""
     fmt = conv.output_format
     mode = conv.tool_choice.mode
     if not conv.tools or (mode == "none" and fmt is not None):
@@ -279,6 +282,8 @@ def answer_constraint(api: ApiContext, conv: Conversation) -> Optional[Constrain
         constraint, field = Constraint("tool_calls", lark), "tools"
     if constraint is None:
         return None
+    if constraint.kind != "tool_calls" and api.template.reasoning:
+        constraint = grammar.after_reasoning(constraint, in_reasoning, api.tokenizer.added_tokens)
     reason = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
     if reason is not None:
         if fmt is not None and constraint.kind != "tool_calls":
@@ -290,8 +295,8 @@ def answer_constraint(api: ApiContext, conv: Conversation) -> Optional[Constrain
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
     """Render, tokenize, force the tool choice, fit max_tokens, make the constraint."""
     refuse_far_too_long(api, conversation_chars(conv), "messages")
-    constraint = answer_constraint(api, conv)
     ids, in_reasoning, forced, use_tools = _render(api, conv)
+    constraint = answer_constraint(api, conv, in_reasoning)
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
         ids=tuple(ids),

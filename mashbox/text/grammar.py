@@ -112,6 +112,30 @@ def matcher(c: Constraint, lltok):
     return m
 
 
+# -- reasoning -------------------------------------------------------------------------
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def after_reasoning(c: Constraint, opened: bool, added: Collection[str] = ()) -> Constraint:
+    """A JSON constraint for a reasoning model: a thought first (free text up to
+    `</think>`: already open when `opened`, else optional), then the value. Without this
+    the value would be forced inside the think block the template opened."""
+    open_m = _marker(THINK_OPEN, THINK_OPEN in added)
+    close_m = _marker(THINK_CLOSE, THINK_CLOSE in added)
+    thought = f"THOUGHT {close_m} SPACE"
+    head = thought if opened else f"({open_m} {thought})?"
+    lark = "\n".join([
+        "%llguidance {}",
+        f"start: {head} answer",
+        r"THOUGHT: /(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/",
+        r"SPACE: /[ \t\n]*/",
+        f"answer: {json_lark(c)}",
+    ]) + "\n"
+    return Constraint("lark", lark)
+
+
 # -- tool calls --------------------------------------------------------------------------
 
 

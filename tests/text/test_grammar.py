@@ -129,3 +129,18 @@ def test_special_token_markers(qwen_dir, tmp_path):
     text = grammar.tool_call_grammar([WEATHER], "auto", None, True, ())  # no added markers: quoted text
     assert '"<tool_call>"' in text
     assert json.loads(json.dumps(grammar.call_schema([WEATHER])))["properties"]["name"] == {"const": "get_weather"}
+
+
+def test_a_reasoning_model_thinks_first(qwen):
+    fmt = grammar.json_schema_constraint({"type": "object", "properties": {"n": {"type": "integer"}},
+                                          "required": ["n"]})
+    opened = grammar.after_reasoning(fmt, True, ("<think>", "</think>"))
+    maybe = grammar.after_reasoning(fmt, False, ("<think>", "</think>"))
+    _, ll = qwen
+    assert grammar.check(opened, ll) is None and grammar.check(maybe, ll) is None
+    assert accepts(qwen, opened, 'Five, I think.</think>\n\n{"n": 5}')
+    assert not accepts(qwen, opened, '{"n": 5}')  # still inside the think block: not the answer
+    assert accepts(qwen, maybe, '{"n": 5}')
+    assert accepts(qwen, maybe, '<think>\nhm</think>\n{"n": 5}')
+    assert not accepts(qwen, maybe, 'hm</think>{"n": 5}')
+    assert not accepts(qwen, opened, 'a</think> b</think>{"n": 5}')
