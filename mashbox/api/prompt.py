@@ -262,33 +262,51 @@ def _ll_tokenizer(tokenizer):
     return _LL_TOKENIZERS[key]
 
 
+_CHECKED: dict[str, Optional[str]] = {}  # grammar text -> check()'s answer (agents resend their tools)
+CHECKED_MAX = 256
+
+
+def _check(api: ApiContext, constraint: Constraint) -> Optional[str]:
+    key = constraint.kind + "\0" + constraint.grammar
+    if key not in _CHECKED:
+        if len(_CHECKED) >= CHECKED_MAX:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
+    return _CHECKED[key]
+
+
 def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[Constraint]:
     """The conversation's Constraint (module rules), checked; a 400 names the bad field.
     A response format for a model that reasons lets it think first (`in_reasoning`: the
-    prompt opened the think block)."""
+    prompt opened the think block). Tool schemas that do not compile even leniently
+    leave the calls unbound (logged), as before grammars: they are not the client's
+    request for structured output."""
     fmt = conv.output_format
     mode = conv.tool_choice.mode
+    constraint: Optional[Constraint] = None
     if not conv.tools or (mode == "none" and fmt is not None):
-        constraint, field = (fmt.constraint, fmt.field) if fmt is not None else (None, "")
+        constraint = fmt.constraint if fmt is not None else None
+        if constraint is not None and api.template.reasoning:
+            constraint = grammar.after_reasoning(constraint, in_reasoning, api.tokenizer.added_tokens)
     else:
-        added = api.tokenizer.added_tokens
+        parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
+        with_fmt = fmt.constraint if fmt is not None and mode == "auto" else None
         try:
-            parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
             lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
-                                             added, fmt.constraint if fmt is not None and mode == "auto" else None)
+                                             api.tokenizer.added_tokens, with_fmt)
+            tools_constraint: Optional[Constraint] = Constraint("tool_calls", lark)
+            reason = _check(api, tools_constraint)
         except grammar.GrammarError as exc:
-            field = fmt.field if fmt is not None else "tools"
-            raise bad_request(f"{field}: {exc}", field) from None
-        constraint, field = Constraint("tool_calls", lark), "tools"
+            tools_constraint, reason = None, str(exc)
+        if reason is None:
+            return tools_constraint
+        log.warning("tool calls left unbound: their grammar does not compile: %s", reason)
+        constraint = fmt.constraint if fmt is not None and mode in ("auto", "none") else None
     if constraint is None:
         return None
-    if constraint.kind != "tool_calls" and api.template.reasoning:
-        constraint = grammar.after_reasoning(constraint, in_reasoning, api.tokenizer.added_tokens)
-    reason = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
+    reason = _check(api, constraint)
     if reason is not None:
-        if fmt is not None and constraint.kind != "tool_calls":
-            field = fmt.field
-        raise bad_request(f"{field}: the grammar cannot be compiled: {reason}", field)
+        raise bad_request(f"{fmt.field}: the grammar cannot be compiled: {reason}", fmt.field)
     return constraint
 
 

@@ -14,6 +14,8 @@ Rules:
   valid for the open schema, so every schema is closed: tool arguments and response
   formats alike, whatever `strict` says. allOf branches are left open (closing each
   would forbid the other branches' keys).
+- Tool schemas are compiled leniently (keywords llguidance does not implement are
+  ignored: agents send uniqueItems, format, ...); a response format's schema is not.
 - Tool calls are mashbox's `<tool_call>` form (text/tool_prompt.py); a marker is its
   token when the vocabulary has it as an added token (Qwen), text otherwise. The call body is
   `{"name": N, "arguments": A}` with N one of the declared tools and A that tool's
@@ -30,6 +32,9 @@ from mashbox.config import Constraint
 from mashbox.text import tool_prompt
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# tool schemas come from agents, not from a request for structured output: a keyword
+# llguidance does not implement (uniqueItems, ...) is ignored there, never a 400
+TOOL_STYLE = {**JSON_STYLE, "lenient": True}
 ANY_OBJECT = {"type": "object"}
 
 
@@ -43,12 +48,12 @@ def _llg():
     return llguidance
 
 
-def styled(schema: Any) -> dict:
+def styled(schema: Any, style: dict = JSON_STYLE) -> dict:
     """The schema with mashbox's JSON style as its defaults (its own x-guidance wins)."""
     if not isinstance(schema, dict):
         raise GrammarError("the schema must be a JSON object")
     own = schema.get("x-guidance")
-    return {**schema, "x-guidance": {**JSON_STYLE, **(own if isinstance(own, dict) else {})}}
+    return {**schema, "x-guidance": {**style, **(own if isinstance(own, dict) else {})}}
 
 
 def strict_schema(schema: Any) -> Any:
@@ -94,14 +99,21 @@ def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
     return llg.LLTokenizer(tokenizer.hf.to_str(), n_vocab=n_vocab, eos_token=list(tokenizer.eos_ids))
 
 
+REASON_CHARS = 400  # llguidance's message quotes the grammar around the error: keep its head
+
+
 def check(c: Constraint, lltok) -> Optional[str]:
-    """None when the constraint compiles for this tokenizer, else the reason it does not."""
+    """None when the constraint compiles for this tokenizer, else the reason it does not
+    (its first line, at most REASON_CHARS)."""
     try:
         grammar = llguidance_grammar(c)
     except GrammarError as exc:
         return str(exc)
     is_error, messages = _llg().LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-    return messages[0] if is_error else None
+    if not is_error:
+        return None
+    lines = messages[0].strip().splitlines() or ["invalid grammar"]
+    return lines[0][:REASON_CHARS]
 
 
 def matcher(c: Constraint, lltok):
@@ -150,7 +162,7 @@ def call_schema(tools: Sequence[dict]) -> dict:
             "required": ["name", "arguments"],
             "additionalProperties": False,
         })
-    return styled(options[0] if len(options) == 1 else {"anyOf": options})
+    return styled(options[0] if len(options) == 1 else {"anyOf": options}, TOOL_STYLE)
 
 
 def _marker(text: str, special: bool) -> str:
@@ -216,7 +228,7 @@ def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], par
         chosen = [t for t in tools if tool_prompt.tool_spec(t)["name"] == name]
         if not chosen:
             raise ValueError(f"no tool named {name!r}")
-        args = json.dumps(styled(strict_schema(tool_prompt.tool_spec(chosen[0])["parameters"])))
+        args = json.dumps(styled(strict_schema(tool_prompt.tool_spec(chosen[0])["parameters"]), TOOL_STYLE))
         call = f'call: {open_m} "\\n" %json {json.dumps(call_schema(chosen))} "\\n" {close_m}'
         lines += [f'start: %json {args} "}}\\n" {close_m}{more}', call]
         return "\n".join(lines) + "\n"

@@ -102,6 +102,13 @@ def test_response_formats_and_errors(qwen):
     assert "uniqueItems" in grammar.check(grammar.json_schema_constraint({"type": "array", "uniqueItems": True}), ll)
     assert grammar.check(Constraint("json_schema", "{not json"), ll).startswith("the schema is not JSON")
     assert grammar.check(Constraint("lark", "start: (((("), ll)
+    # agents' tool schemas use keywords llguidance does not implement: compiled leniently
+    odd = {"type": "function", "function": {"name": "f", "parameters": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                       "url": {"type": "string", "format": "uri"}}}}}
+    for mode in ("auto", "required"):
+        assert grammar.check(Constraint("tool_calls", grammar.tool_call_grammar([odd], mode, None, True)), ll) is None
 
 
 def test_special_token_markers(qwen_dir, tmp_path):
