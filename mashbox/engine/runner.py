@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from mashbox.engine.scheduler import StepPlan
 from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
+
+if TYPE_CHECKING:
+    from mashbox.engine.constraints import ConstraintTable
 
 log = logging.getLogger("mashbox.engine.runner")
 
@@ -112,7 +116,8 @@ class Runner:
         self.num_prompt[slot] = num_prompt
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, slot_tokens: np.ndarray, constraints=None) -> list[int]:
+    def run(self, plan: StepPlan, slot_tokens: np.ndarray,
+            constraints: Optional["ConstraintTable"] = None) -> list[int]:
         """Run one step; returns the sampled ids of the plan's rows with `sample`, in order.
 
         slot_tokens: int32[slots, ctx+1], the SlotTable's tokens (penalty histories).
