@@ -292,8 +292,9 @@ def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = 
         parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
         with_fmt = fmt.constraint if fmt is not None and mode == "auto" else None
         try:
+            reasoning = ("opened" if in_reasoning else "optional") if api.template.reasoning else None
             lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
-                                             api.tokenizer.added_tokens, with_fmt)
+                                             api.tokenizer.added_tokens, with_fmt, reasoning)
             tools_constraint: Optional[Constraint] = Constraint("tool_calls", lark)
             reason = _check(api, tools_constraint)
         except grammar.GrammarError as exc:

@@ -134,18 +134,20 @@ def after_reasoning(c: Constraint, opened: bool, added: Collection[str] = ()) ->
     """A JSON constraint for a reasoning model: a thought first (free text up to
     `</think>`: already open when `opened`, else optional), then the value. Without this
     the value would be forced inside the think block the template opened."""
+    head, rules = _thought("opened" if opened else "optional", added)
+    lark = "\n".join(["%llguidance {}", f"start: {head} answer", *rules, f"answer: {json_lark(c)}"]) + "\n"
+    return Constraint("lark", lark)
+
+
+def _thought(reasoning: str, added: Collection[str]) -> tuple[str, list[str]]:
+    """(the head expression, its rules) of a thought before the answer: reasoning
+    "opened" (the prompt opened the think block: the thought must be closed first) or
+    "optional" (the model may open one)."""
     open_m = _marker(THINK_OPEN, THINK_OPEN in added)
     close_m = _marker(THINK_CLOSE, THINK_CLOSE in added)
     thought = f"THOUGHT {close_m} SPACE"
-    head = thought if opened else f"({open_m} {thought})?"
-    lark = "\n".join([
-        "%llguidance {}",
-        f"start: {head} answer",
-        r"THOUGHT: /(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/",
-        r"SPACE: /[ \t\n]*/",
-        f"answer: {json_lark(c)}",
-    ]) + "\n"
-    return Constraint("lark", lark)
+    head = thought if reasoning == "opened" else f"({open_m} {thought})?"
+    return head, [r"THOUGHT: /(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/", r"SPACE: /[ \t\n]*/"]
 
 
 # -- tool calls --------------------------------------------------------------------------
@@ -187,7 +189,8 @@ def json_lark(c: Constraint) -> str:
 
 
 def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], parallel: bool,
-                      added: Collection[str] = (), fmt: Optional[Constraint] = None) -> str:
+                      added: Collection[str] = (), fmt: Optional[Constraint] = None,
+                      reasoning: Optional[str] = None) -> str:
     """The Lark grammar of an answer under a tool choice (module rules).
 
     mode: auto | none | required | named (api/prompt.py's ToolChoice). For required and
@@ -207,9 +210,13 @@ def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], par
     body = json.dumps(call_schema(tools))
     call = f'call: {open_m} "\\n" %json {body} "\\n" {close_m}'
     more = ' ("\\n" call)*' if parallel else ""
+    think, think_rules = "", []
+    if mode == "auto" and reasoning is not None and (fmt is not None or THINK_OPEN in added):
+        think, think_rules = _thought(reasoning, added)
+        think += " "
     if mode == "auto" and fmt is not None:
         calls = "call" + more
-        lines += [f"start: {json_lark(fmt)} | {calls}", call]
+        lines += [f"start: {think}({json_lark(fmt)} | {calls})", call, *think_rules]
         return "\n".join(lines) + "\n"
     if mode == "auto":
         # lazy: free text up to the first marker, then a bound call
@@ -218,7 +225,7 @@ def tool_call_grammar(tools: Sequence[dict], mode: str, name: Optional[str], par
         else:
             call = f'call_open[lazy]: FREE {open_m}\ncall: call_open "\\n" %json {body} "\\n" {close_m}'
         head = "call* FREE" if parallel else "call? FREE"
-        lines += [f"start: {head}", f"FREE: {free}", call]
+        lines += [f"start: {think}{head}", f"FREE: {free}", call, *think_rules]
         return "\n".join(lines) + "\n"
     if mode == "required" and len(tools) == 1:  # forced like a named call (api/prompt.py)
         mode, name = "named", tool_prompt.tool_spec(tools[0])["name"]

@@ -151,3 +151,20 @@ def test_a_reasoning_model_thinks_first(qwen):
     assert accepts(qwen, maybe, '<think>\nhm</think>\n{"n": 5}')
     assert not accepts(qwen, maybe, 'hm</think>{"n": 5}')
     assert not accepts(qwen, opened, 'a</think> b</think>{"n": 5}')
+
+
+def test_a_reasoning_model_with_tools_thinks_with_its_think_tokens(qwen_dir, tmp_path):
+    """Where `<think>` is an added token (llguidance: a special one), free text cannot
+    write it: the auto grammar lets the thought come first, with the tokens themselves."""
+    tok = load_tokenizer(qwen_dir)
+    ll = grammar.ll_tokenizer(tok)
+    added = tuple(tok.added_tokens)
+    assert "<think>" in added
+    for reasoning, thought in (("opened", "Weather: call."), ("optional", "<think>Weather: call.")):
+        c = Constraint("tool_calls", grammar.tool_call_grammar([WEATHER], "auto", None, True, added,
+                                                                reasoning=reasoning))
+        assert grammar.check(c, ll) is None
+        m = grammar.matcher(c, ll)
+        ids = tok.encode(thought + "</think>\n\nSure.\n" + CALL)  # the added tokens match whole
+        assert tok.added_tokens["</think>"] in ids and tok.added_tokens["<tool_call>"] in ids
+        assert m.try_consume_tokens(ids) == len(ids) and m.is_accepting(), reasoning
