@@ -37,25 +37,31 @@ def constrained(rid: str, ids, schema: dict, seed: int, max_tokens: int = 160) -
 
 
 def test_constrained_rows_validate_end_when_complete_and_are_batch_invariant(tiny, tiny_tok):
+    """One worker: each request alone, then all together (other grammars and a free row
+    beside each), then a grammar that does not compile beside a Lark one."""
     prompt = tiny_tok.encode("hello there")
 
-    async def alone(client):
-        out = {}
+    def free(rid):
+        return req(rid, prompt, 24, ignore_eos=True, temperature=1.0, seed=7)
+
+    async def main(client):
+        solo = {}
         for i, schema in enumerate(SCHEMAS):
-            out[i] = await collect(client.submit(constrained(f"c{i}", prompt, schema, seed=i)))
-        out["free"] = await collect(client.submit(req("free", prompt, 24, ignore_eos=True,
-                                                      temperature=1.0, seed=7)))
-        return out
+            solo[i] = await collect(client.submit(constrained(f"c{i}", prompt, schema, seed=i)))
+        solo["free"] = await collect(client.submit(free("free")))
+        hs = {i: client.submit(constrained(f"t{i}", prompt, schema, seed=i)) for i, schema in enumerate(SCHEMAS)}
+        hs["free"] = client.submit(free("tfree"))
+        crowd = dict(zip(hs, await asyncio.gather(*(collect(h) for h in hs.values()))))
+        bad = GenerationRequest(id="bad", tenant="t", prompt_ids=tuple(prompt), max_tokens=8,
+                                sampling=SamplingParams(),
+                                constraint=Constraint("json_schema", json.dumps({"$ref": "#/nowhere"})))
+        lark = GenerationRequest(id="lark", tenant="t", prompt_ids=tuple(prompt), max_tokens=40,
+                                 sampling=SamplingParams(temperature=1.0, seed=3),
+                                 constraint=Constraint("lark", 'start: ("yes" | "no") "!"'))
+        got_bad, got_lark = await asyncio.gather(collect(client.submit(bad)), collect(client.submit(lark)))
+        return solo, crowd, got_bad, got_lark
 
-    async def together(client):
-        hs = {i: client.submit(constrained(f"c{i}", prompt, schema, seed=i)) for i, schema in enumerate(SCHEMAS)}
-        hs["free"] = client.submit(req("free", prompt, 24, ignore_eos=True, temperature=1.0, seed=7))
-        done = await asyncio.gather(*(collect(h) for h in hs.values()))
-        return dict(zip(hs, done))
-
-    cfg = tiny_config(tiny)
-    solo = run_client(alone, cfg)
-    crowd = run_client(together, cfg)
+    solo, crowd, got_bad, got_lark = run_client(main, tiny_config(tiny))
     for i, schema in enumerate(SCHEMAS):
         got = solo[i]
         assert got.final.finish_reason == "stop", (i, got.text)
@@ -63,22 +69,6 @@ def test_constrained_rows_validate_end_when_complete_and_are_batch_invariant(tin
         assert crowd[i].ids == got.ids, i
     assert solo["free"].final.finish_reason == "length"
     assert crowd["free"].ids == solo["free"].ids
-
-
-def test_a_grammar_that_does_not_compile_fails_its_request_only(tiny, tiny_tok):
-    prompt = tiny_tok.encode("hi")
-
-    async def main(client):
-        bad = GenerationRequest(id="bad", tenant="t", prompt_ids=tuple(prompt), max_tokens=8,
-                                sampling=SamplingParams(),
-                                constraint=Constraint("json_schema", json.dumps({"$ref": "#/nowhere"})))
-        got_bad = await collect(client.submit(bad))
-        lark = GenerationRequest(id="lark", tenant="t", prompt_ids=tuple(prompt), max_tokens=40,
-                                 sampling=SamplingParams(temperature=1.0, seed=3),
-                                 constraint=Constraint("lark", 'start: ("yes" | "no") "!"'))
-        got_lark = await collect(client.submit(lark))
-        return got_bad, got_lark
-
-    got_bad, got_lark = run_client(main, tiny_config(tiny, slots=1))
+    # a grammar that does not compile fails its request only
     assert got_bad.final.finish_reason == "error" and "nowhere" in got_bad.final.error
     assert got_lark.text in ("yes!", "no!") and got_lark.final.finish_reason == "stop"
