@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Serve a model over HTTP (OpenAI Chat Completions, Completions, Responses "
         "and Anthropic Messages). With no model, the default model is pulled and served. "
         "Log probabilities (logprobs) on Chat, Completions and Responses: log-softmax of the "
-        "logits after penalties, before temperature.",
+        "logits after penalties, before temperature. "
+        "Structured output (a JSON Schema in response_format / text.format / "
+        "output_config.format) and tool-call arguments are decoded under a grammar "
+        "(llguidance), so they are valid by construction.",
     )
     run.add_argument("model", nargs="?", default=None,
                      help=f"a model id from `mashbox models` (default {registry.DEFAULT_MODEL_ID}), "

@@ -37,6 +37,26 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "tool_calls")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the sampled text must match (text/grammar.py turns it into a llguidance grammar).
+
+    kind json_schema: `grammar` is the schema as JSON text; json_object: any JSON object
+    (`grammar` empty); lark / tool_calls: `grammar` is a Lark grammar in llguidance's
+    dialect (tool_calls: the call grammar the api layer built from the tools).
+    """
+
+    kind: str
+    grammar: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(f"constraint kind {self.kind!r}")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """What the server submits to the worker. prompt_ids are final (template rendered)."""
@@ -51,6 +71,7 @@ class GenerationRequest:
     # log probabilities: None = off, else how many top alternatives each token carries
     # (0 .. 20); see StepEvent.logprobs
     logprobs: Optional[int] = None
+    constraint: Optional[Constraint] = None  # None: free text (the row pays nothing for grammars)
 
     def to_wire(self) -> dict:
         d = dataclasses.asdict(self)
@@ -69,6 +90,7 @@ class GenerationRequest:
             max_tokens=d["max_tokens"],
             ignore_eos=d["ignore_eos"],
             logprobs=d.get("logprobs"),
+            constraint=Constraint(**d["constraint"]) if d.get("constraint") else None,
         )
 
 

@@ -12,7 +12,11 @@ Rules:
 - Tools other than `function` are skipped (mashbox cannot run them). tool_choice: auto
   (default), none, required, or {"type": "function", "function": {"name"}}; required and
   named need tools, and a named one must be among them.
-- Not supported, 400 naming the field: n != 1, response_format other than text.
+- Not supported, 400 naming the field: n != 1.
+- response_format: text, json_object (any JSON object) or json_schema {name, schema,
+  strict}: the answer is JSON valid for the schema (objects closed whatever strict
+  says, see text/grammar.py), decoded under that grammar, and ends when the value is complete.
+  parallel_tool_calls false: at most one call.
 - `logprobs: true` with `top_logprobs` (0-20): each choice's `logprobs.content`, per
   chunk when streamed (api/logprobs.py).
 - stream_options.include_usage adds the usage chunk to a stream.
@@ -28,7 +32,9 @@ from mashbox.api import common, content, logprobs, pipeline
 from mashbox.api.chat_answer import ChunkWriter
 from mashbox.api.common import OPENAI, ApiContext, bad_request
 from mashbox.api.pipeline import ApiRequest
-from mashbox.api.prompt import Conversation, Prompt, ToolChoice
+from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice
+from mashbox.config import Constraint
+from mashbox.text import grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MEDIA_PARTS = ("image_url", "input_audio", "file", "image", "audio", "input_image", "input_file")
@@ -190,16 +196,32 @@ def to_tool_choice(raw: Any, tools: list) -> ToolChoice:
     return content.checked_choice("named", name, names, CHOICE_WORDS)
 
 
-def read_unsupported(body: dict) -> None:
-    """Fields whose use the spec refuses with a 400 naming them."""
+def to_output_format(body: dict) -> Optional[OutputFormat]:
+    """response_format: text (None), json_object, or json_schema {name, schema, strict}."""
     fmt = common.get_object(body, "response_format", None)
-    if fmt is not None:
-        kind = fmt.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise bad_request(f"response_format {kind} is not supported (no structured output); only text.",
-                              "response_format")
-        if kind != "text":
-            raise bad_request(f"response_format.type must be text, not {kind!r}.", "response_format.type")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat(Constraint("json_object"), "response_format")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be text, json_object or json_schema, not {kind!r}.",
+                          "response_format.type")
+    spec = common.get_object(fmt, "json_schema", None, param="response_format.json_schema")
+    if spec is None:
+        raise bad_request("response_format.json_schema is required when the type is json_schema.",
+                          "response_format.json_schema")
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_request("response_format.json_schema.name must be a string.", "response_format.json_schema.name")
+    # strict is read and checked; every schema is decoded closed (text/grammar.py)
+    common.get_bool(spec, "strict", False, param="response_format.json_schema.strict")
+    schema = common.get_object(spec, "schema", None, param="response_format.json_schema.schema")
+    if schema is None:
+        return OutputFormat(Constraint("json_object"), "response_format.json_schema")
+    return OutputFormat(grammar.json_schema_constraint(schema), "response_format.json_schema.schema")
 
 
 def read_enable_thinking(body: dict) -> Optional[bool]:
@@ -217,7 +239,6 @@ def read_enable_thinking(body: dict) -> Optional[bool]:
 def convert(api: ApiContext, body: Any) -> ApiRequest:
     body = common.require_object(body)
     model = common.check_model(body, api)
-    read_unsupported(body)
     stream = common.get_bool(body, "stream", False)
     opts = common.get_object(body, "stream_options", None)
     include_usage = bool(opts and common.get_bool(opts, "include_usage", False, param="stream_options.include_usage"))
@@ -225,7 +246,9 @@ def convert(api: ApiContext, body: Any) -> ApiRequest:
     tools = to_tools(body.get("tools"))
     choice = to_tool_choice(body.get("tool_choice"), tools)
     conv = Conversation(messages=messages, tools=tools, tool_choice=choice,
-                        enable_thinking=read_enable_thinking(body), later_system="join")
+                        enable_thinking=read_enable_thinking(body), later_system="join",
+                        output_format=to_output_format(body),
+                        parallel_tool_calls=common.get_bool(body, "parallel_tool_calls", None))
     fields = common.read_sampling(body, ("max_completion_tokens", "max_tokens"))
     fields = dataclasses.replace(fields, logprobs=logprobs.read_chat(body))
     return ApiRequest(fields=fields, stream=stream, conversation=conv, include_usage=include_usage, model=model)

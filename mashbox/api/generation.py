@@ -149,6 +149,7 @@ class Generation:
             max_tokens=prompt.max_tokens,
             ignore_eos=ignore_eos,
             logprobs=fields.logprobs,
+            constraint=prompt.constraint,
         )
         self._tool_id_prefix = tool_id_prefix
         self._token_bytes = TokenBytes(api.tokenizer) if fields.logprobs is not None else None

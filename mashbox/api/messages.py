@@ -21,6 +21,9 @@ Rules:
   prompt.place_system decides what that means (Messages and Responses keep a later one in place).
 - thinking: enabled / adaptive -> enable_thinking true; disabled or absent -> false
   (absent means no thinking in the Messages API).
+- output_config.format {"type": "json_schema", "schema"}: the text is JSON valid for
+  the schema (closed objects, text/grammar.py's strict_schema), decoded under its grammar;
+  tool_choice.disable_parallel_tool_use: at most one tool_use block.
 - The model named in the request is echoed in the answer (any model name is accepted;
   a `model` that is not a string is a 400). thinking.budget_tokens must be an integer
   when given (it is not otherwise used).
@@ -33,7 +36,8 @@ from mashbox.api import common, content, pipeline
 from mashbox.api.common import ANTHROPIC, ApiContext
 from mashbox.api.message_answer import MessageStream
 from mashbox.api.pipeline import ApiRequest
-from mashbox.api.prompt import Conversation, Prompt, ToolChoice, count_chat_tokens
+from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice, count_chat_tokens
+from mashbox.text import grammar
 from mashbox.http.response import json_response
 
 BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
@@ -283,20 +287,41 @@ def enable_thinking(thinking: Any) -> bool:
     raise bad_request("thinking.type", "must be enabled, adaptive or disabled")
 
 
-def check_unsupported(body: dict) -> None:
+def output_format(body: dict) -> Optional[OutputFormat]:
+    """output_config.format {"type": "json_schema", "schema"}: JSON valid for the schema
+    (always strict, as Anthropic's structured outputs are: objects closed)."""
     oc = body.get("output_config")
-    if oc is not None:
-        if not isinstance(oc, dict):
-            raise bad_request("output_config", "must be an object")
-        if oc.get("format") is not None:
-            raise bad_request("output_config.format", "structured output is not supported")
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise bad_request("output_config", "must be an object")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("output_config.format", "must be an object")
+    if fmt.get("type") != "json_schema":
+        raise bad_request("output_config.format.type", "must be json_schema")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("output_config.format.schema", "must be an object (a JSON Schema)")
+    return OutputFormat(grammar.json_schema_constraint(schema), "output_config.format.schema")
+
+
+def parallel_tool_calls(choice: Any) -> Optional[bool]:
+    """tool_choice.disable_parallel_tool_use true: at most one call (False); else unsaid."""
+    if not isinstance(choice, dict):
+        return None
+    disabled = common.get_bool(choice, "disable_parallel_tool_use", False,
+                               param="tool_choice.disable_parallel_tool_use")
+    return False if disabled else None
 
 
 def to_conversation(body: Any) -> Conversation:
     """A Messages (or count_tokens) body -> the shared conversation form."""
     common.require_object(body)
     common.get_str(body, "model", None)  # any model name is accepted, but a name is a string
-    check_unsupported(body)
+    fmt = output_format(body)
     tools = conversation_tools(body.get("tools"))
     choice = conversation_tool_choice(body.get("tool_choice"), tools)
     return Conversation(
@@ -304,6 +329,8 @@ def to_conversation(body: Any) -> Conversation:
         tools=tools,
         tool_choice=choice,
         enable_thinking=enable_thinking(body.get("thinking")),
+        output_format=fmt,
+        parallel_tool_calls=parallel_tool_calls(body.get("tool_choice")),
     )
 
 

@@ -26,6 +26,16 @@ Rules:
   model produces a call; required with one tool is that tool named. The opening is
   model output as far as the parser is concerned: generation.py feeds
   `Prompt.forced_text` to the parser first.
+- Constrained output (text/grammar.py): a response format (`Conversation.output_format`)
+  and the tool choice make the request's `Constraint`, checked here (compiled against the
+  model's vocabulary) so a schema llguidance cannot compile is a 400 naming its field
+  before anything is queued. With tools in play: required / named -> only the call(s)
+  after the forced opening: one call unless parallel_tool_calls is true (a small model
+  forced to call repeats the call until max_tokens when it may); auto -> free
+  text whose calls are bound to the tools (lazy), or, with a response format, either
+  the formatted value or the call(s) (several unless parallel_tool_calls is false); none -> text that may not open a call. Without
+  tools, the response format alone; for a model that reasons, after a thought (the
+  think block the prompt opened, or an optional one).
 - max_tokens: default = what is left of the context after the prompt; a larger request
   is clamped to it (agents ask for 64,000). A prompt that leaves no room for one new
   token is a 400 that says by how many tokens it is too long.
@@ -44,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mashbox.api.common import ApiContext, bad_request
-from mashbox.text import tool_prompt
+from mashbox.config import Constraint
+from mashbox.text import grammar, tool_prompt
 
 log = logging.getLogger("mashbox.api")
 
@@ -65,12 +76,22 @@ class ToolChoice:
 
 
 @dataclass(frozen=True)
+class OutputFormat:
+    """A response format: what the answer's text must be, and the request field it came from."""
+
+    constraint: Constraint
+    field: str  # e.g. response_format.json_schema.schema: the 400 of a bad schema names it
+
+
+@dataclass(frozen=True)
 class Conversation:
     messages: list  # HF-style dicts (see the module rules); system ones anywhere
     tools: list = field(default_factory=list)  # HF-style function tools
     tool_choice: ToolChoice = ToolChoice()
     enable_thinking: Optional[bool] = None  # None = the template's default
     later_system: str = "remind"  # a system message after the first turn: "join" | "remind"
+    output_format: Optional[OutputFormat] = None  # structured output (module rules)
+    parallel_tool_calls: Optional[bool] = None  # False: at most one call; None: unsaid (module rules)
 
 
 @dataclass(frozen=True)
@@ -84,6 +105,7 @@ class Prompt:
     parse_reasoning: bool = False
     starts_in_reasoning: bool = False  # the generation prompt opened a think block
     tool_names: tuple[str, ...] = ()
+    constraint: Optional[Constraint] = None  # what the sampled text must match (module rules)
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,10 +252,70 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
     return requested
 
 
+_LL_TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (the grammar check)
+
+
+def _ll_tokenizer(tokenizer):
+    key = id(tokenizer)
+    if key not in _LL_TOKENIZERS:
+        _LL_TOKENIZERS[key] = grammar.ll_tokenizer(tokenizer)
+    return _LL_TOKENIZERS[key]
+
+
+_CHECKED: dict[str, Optional[str]] = {}  # grammar text -> check()'s answer (agents resend their tools)
+CHECKED_MAX = 256
+
+
+def _check(api: ApiContext, constraint: Constraint) -> Optional[str]:
+    key = constraint.kind + "\0" + constraint.grammar
+    if key not in _CHECKED:
+        if len(_CHECKED) >= CHECKED_MAX:
+            _CHECKED.pop(next(iter(_CHECKED)))
+        _CHECKED[key] = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
+    return _CHECKED[key]
+
+
+def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[Constraint]:
+    """The conversation's Constraint (module rules), checked; a 400 names the bad field.
+    A response format for a model that reasons lets it think first (`in_reasoning`: the
+    prompt opened the think block). Tool schemas that do not compile even leniently
+    leave the calls unbound (logged), as before grammars: they are not the client's
+    request for structured output."""
+    fmt = conv.output_format
+    mode = conv.tool_choice.mode
+    constraint: Optional[Constraint] = None
+    if not conv.tools or (mode == "none" and fmt is not None):
+        constraint = fmt.constraint if fmt is not None else None
+        if constraint is not None and api.template.reasoning:
+            constraint = grammar.after_reasoning(constraint, in_reasoning, api.tokenizer.added_tokens)
+    else:
+        parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
+        with_fmt = fmt.constraint if fmt is not None and mode == "auto" else None
+        try:
+            reasoning = ("opened" if in_reasoning else "optional") if api.template.reasoning else None
+            lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
+                                             api.tokenizer.added_tokens, with_fmt, reasoning)
+            tools_constraint: Optional[Constraint] = Constraint("tool_calls", lark)
+            reason = _check(api, tools_constraint)
+        except grammar.GrammarError as exc:
+            tools_constraint, reason = None, str(exc)
+        if reason is None:
+            return tools_constraint
+        log.warning("tool calls left unbound: their grammar does not compile: %s", reason)
+        constraint = fmt.constraint if fmt is not None and mode in ("auto", "none") else None
+    if constraint is None:
+        return None
+    reason = _check(api, constraint)
+    if reason is not None:
+        raise bad_request(f"{fmt.field}: the grammar cannot be compiled: {reason}", fmt.field)
+    return constraint
+
+
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
-    """Render, tokenize, force the tool choice, fit max_tokens."""
+    """Render, tokenize, force the tool choice, fit max_tokens, make the constraint."""
     refuse_far_too_long(api, conversation_chars(conv), "messages")
     ids, in_reasoning, forced, use_tools = _render(api, conv)
+    constraint = answer_constraint(api, conv, in_reasoning)
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
         ids=tuple(ids),
@@ -243,6 +325,7 @@ def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) 
         parse_reasoning=api.template.reasoning,
         starts_in_reasoning=in_reasoning,
         tool_names=tool_names(conv.tools) if use_tools else (),
+        constraint=constraint,
     )
 
 

@@ -16,12 +16,17 @@ Rules:
   wrote), namespace (each inner tool is shown to the model as `<namespace>__<name>`, or
   `<namespace><name>` when the namespace already ends in `_` or `.`, and its calls
   carry `namespace` and the inner name back), custom (shown as a function with one
-  string parameter `input`; the call's `input` is that string, raw). web_search and
+  string parameter `input`; the call's `input` is that string, raw; a regex grammar
+  format becomes that string's pattern, so the input is decoded under it; a lark one
+  is shown in the description). web_search and
   every other tool type mashbox cannot run are skipped.
 - reasoning: no `reasoning` object -> the template's default; effort "none" or
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
+- text.format: text, json_object, or json_schema {name, schema, strict}: the output
+  text is JSON valid for the schema (decoded under its grammar); parallel_tool_calls
+  false: at most one call.
 - Refused (400 naming the field): an `include` entry naming logprobs other than
-  message.output_text.logprobs, text.format other than {"type": "text"}.
+  message.output_text.logprobs.
 - Logprobs: `include: ["message.output_text.logprobs"]` and/or `top_logprobs` (0-20):
   the output_text part's `logprobs`, and each output_text.delta's (api/logprobs.py).
 - The Response repeats request fields (`echo_fields`).
@@ -36,8 +41,10 @@ from typing import Any, Optional
 from mashbox.api import common, content, logprobs, pipeline
 from mashbox.api.common import OPENAI, ApiContext
 from mashbox.api.pipeline import ApiRequest
-from mashbox.api.prompt import Conversation, Prompt, ToolChoice
+from mashbox.api.prompt import Conversation, OutputFormat, Prompt, ToolChoice
 from mashbox.api.response_answer import ResponseStream, ToolRef
+from mashbox.config import Constraint
+from mashbox.text import grammar
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +101,14 @@ def _function_tool(tool: dict, field: str, namespace: Optional[str]) -> tuple[di
     if kind == "custom":
         parameters = CUSTOM_INPUT_PARAMETERS
         fmt = tool.get("format")
-        if isinstance(description, (str, type(None))) and isinstance(fmt, dict) and \
+        if isinstance(fmt, dict) and fmt.get("type") == "grammar" and fmt.get("syntax") == "regex" and \
+                isinstance(fmt.get("definition"), str):
+            # the call's input is decoded under the regex (the arguments' schema: grammar.py)
+            parameters = {**CUSTOM_INPUT_PARAMETERS, "properties": {"input": {
+                **CUSTOM_INPUT_PARAMETERS["properties"]["input"], "pattern": f"^(?:{fmt['definition']})$"}}}
+        elif isinstance(description, (str, type(None))) and isinstance(fmt, dict) and \
                 fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
-            # The model cannot be held to the grammar; showing it is the next best thing.
+            # A Lark grammar cannot hold a JSON string's content; showing it is the next best thing.
             extra = f"The input must follow this {fmt.get('syntax', '')} grammar:\n{fmt['definition']}"
             description = f"{description}\n\n{extra}" if description else extra
     pname = prompt_name(namespace, name) if isinstance(name, str) else None
@@ -341,16 +353,34 @@ def check_unsupported(body: dict) -> None:
         for j, entry in enumerate(include):
             if isinstance(entry, str) and "logprobs" in entry and entry != logprobs.RESPONSES_INCLUDE:
                 raise bad_request("include", f"{entry!r}: the logprobs entry is {logprobs.RESPONSES_INCLUDE!r}")
+
+
+def output_format(body: dict) -> Optional[OutputFormat]:
+    """text.format: text (None), json_object, or json_schema {name, schema, strict}."""
     text = body.get("text")
-    if text is not None:
-        if not isinstance(text, dict):
-            raise bad_request("text", "must be an object")
-        fmt = text.get("format")
-        if fmt is not None:
-            kind = fmt.get("type") if isinstance(fmt, dict) else None
-            if kind != "text":
-                raise bad_request("text.format", f"only {{\"type\": \"text\"}} is supported, not {kind!r} "
-                                                 "(structured output is not supported)")
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return OutputFormat(Constraint("json_object"), "text.format")
+    if kind != "json_schema":
+        raise bad_request("text.format.type", f"must be text, json_object or json_schema, not {kind!r}")
+    common.get_bool(fmt, "strict", False, param="text.format.strict")  # every schema is closed (grammar.py)
+    schema = fmt.get("schema")
+    if schema is None:
+        return OutputFormat(Constraint("json_object"), "text.format")
+    if not isinstance(schema, dict):
+        raise bad_request("text.format.schema", "must be an object (a JSON Schema)")
+    return OutputFormat(grammar.json_schema_constraint(schema), "text.format.schema")
 
 
 def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
@@ -363,6 +393,8 @@ def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
         tools=tools,
         tool_choice=choice,
         enable_thinking=enable_thinking(body.get("reasoning")),
+        output_format=output_format(body),
+        parallel_tool_calls=common.get_bool(body, "parallel_tool_calls", None),
     )
     return conv, refs
 
@@ -389,7 +421,9 @@ def echo_fields(body: dict) -> dict:
     echo["parallel_tool_calls"] = common.get_bool(body, "parallel_tool_calls", False)
     echo["tool_choice"] = body.get("tool_choice") if body.get("tool_choice") is not None else "auto"
     echo["tools"] = body.get("tools") or []
-    echo["text"] = {"format": {"type": "text"}}
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    echo["text"] = {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}
     echo["truncation"] = "disabled"
     return echo
 

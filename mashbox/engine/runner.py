@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
 from mashbox.model.layer_loop import StepLimits
+
+if TYPE_CHECKING:
+    from mashbox.engine.constraints import ConstraintTable
 
 log = logging.getLogger("mashbox.engine.runner")
 
@@ -128,12 +131,19 @@ class Runner:
         self.num_prompt[slot] = num_prompt
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, slot_tokens: np.ndarray) -> list[int]:
+    def run(self, plan: StepPlan, slot_tokens: np.ndarray,
+            constraints: Optional["ConstraintTable"] = None) -> list[int]:
         """Run one step; returns the sampled ids of the plan's rows with `sample`, in order.
 
         slot_tokens: int32[slots, ctx+1], the SlotTable's tokens (penalty histories).
+        constraints: engine.constraints.ConstraintTable; its masks are computed during the
+        forward and applied to the logits before sampling.
         """
         rows = plan.rows
+        if constraints is not None and constraints.active:
+            constraints.begin([row.request.id for row in rows if row.sample])
+        else:
+            constraints = None
         if plan.num_tokens > self.max_tokens:
             raise RuntimeError(f"step of {plan.num_tokens} tokens exceeds the buffers ({self.max_tokens})")
         T = 0
@@ -170,6 +180,8 @@ class Runner:
         if len(pick) != len(rows):
             logits = logits[pick]
         logits_np = np.ascontiguousarray(logits.float().cpu().numpy())  # [n, vocab]
+        if constraints is not None:
+            constraints.apply(logits_np)
         # a row's penalty history: its prompt + the ids sampled before this step
         hist_lens = [len(rows[i].request.token_ids) for i in pick]
         return self.sample(logits_np, slots, slot_tokens, hist_lens)

@@ -20,6 +20,7 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, StepEvent, Timings
 from mashbox.engine import frames
+from mashbox.engine.constraints import BROKEN, DONE, ConstraintTable
 from mashbox.engine.request import Request, State
 from mashbox.engine.scheduler import Scheduler
 
@@ -52,6 +53,7 @@ class Engine:
         self.scheduler = Scheduler(cfg.slots, self.ctx, cfg.prefill_chunk, cfg.prefix_block,
                                    host_blocks=pool.num_blocks, host_block_bytes=pool.block_bytes(cache, pool.block),
                                    kv_capacity=cache.capacity)
+        self.constraints = ConstraintTable(self.tokenizer, self.runner.vocab_size, cfg.slots)
         self._outputs: dict[str, _Output] = {}
         self._pending: list[StepEvent] = []  # events made between steps (cancel, errors)
         self.steps = 0
@@ -136,8 +138,11 @@ class Engine:
             if req.prompt_ids and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab):
                 # one bad id would fail the forward of every request in its step
                 raise ValueError(f"prompt_ids holds an id outside the vocabulary [0, {vocab})")
+            if req.constraint is not None:  # GrammarError is a ValueError: this request fails alone
+                self.constraints.add(req.id, req.constraint)
             self.scheduler.add(r)
         except ValueError as e:
+            self.constraints.drop(req.id)
             self._pending.append(StepEvent(id=req.id, finish_reason="error", error=str(e),
                                            prompt_tokens=r.num_prompt, timings=Timings()))
             return
@@ -147,6 +152,7 @@ class Engine:
         if r is not None:
             self._pending.append(self._final_event(r, "", time.perf_counter()))
             self._outputs.pop(r.id, None)
+            self.constraints.drop(r.id)
 
     # -- the step -----------------------------------------------------------------------
 
@@ -162,7 +168,7 @@ class Engine:
             self.runner.admit(r.slot, r.req.sampling, r.num_prompt, r.req.logprobs)
             self._outputs[r.id] = self._make_output(r)
         try:
-            sampled = self.runner.run(plan, sched.slots.tokens)
+            sampled = self.runner.run(plan, sched.slots.tokens, self.constraints)
         except Exception as e:  # a failed forward ends the step's requests, not the worker
             log.exception("step failed")
             sched.step_failed(plan)
@@ -172,6 +178,7 @@ class Engine:
                     sched.finish(r, "error", error=f"engine step failed: {e}")
                     events.append(self._final_event(r, "", time.perf_counter()))
                     self._outputs.pop(r.id, None)
+                    self.constraints.drop(r.id)
             return events
         sched.advance(plan)
         now = time.perf_counter()
@@ -212,12 +219,19 @@ class Engine:
         text = out.detok.push([tok])
         reason: Optional[str] = None
         stop_seq: Optional[str] = None
-        if out.stops is not None:
+        error: Optional[str] = None
+        grammar_done = False
+        if self.constraints.active:
+            state = self.constraints.consume(r.id, tok)
+            grammar_done = state == DONE  # the value is complete: nothing may follow but EOS
+            if state == BROKEN:
+                reason, error = "error", f"sampled token {tok} is not allowed by the request's grammar"
+        if out.stops is not None and reason is None:
             text, idx = out.stops.feed(text)
             if idx >= 0:
                 reason, stop_seq = "stop_sequence", r.req.stops[idx]
         if reason is None:
-            if tok in self.eos_ids and not r.req.ignore_eos:
+            if (tok in self.eos_ids and not r.req.ignore_eos) or grammar_done:
                 reason = "stop"
             elif r.num_generated >= r.req.max_tokens or len(r.token_ids) >= self.ctx:
                 reason = "length"
@@ -239,8 +253,9 @@ class Engine:
             return StepEvent(id=r.id, token_ids=(tok,), text=text, started=started,
                              prompt_tokens=r.num_prompt if started else 0,
                              cached_tokens=r.num_cached if started else 0, logprobs=logprobs)
-        sched.finish(r, reason, stop_sequence=stop_seq)
+        sched.finish(r, reason, stop_sequence=stop_seq, error=error)
         self._outputs.pop(r.id, None)
+        self.constraints.drop(r.id)
         return self._final_event(r, text, now, (tok,), logprobs)
 
     def _final_event(self, r: Request, text: str, now: float, token_ids: tuple = (),

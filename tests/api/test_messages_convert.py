@@ -122,8 +122,8 @@ def test_refused_request_shapes():
     assert refused({}).param == "messages"
     assert refused({"messages": [{"role": "tool", "content": "x"}]}).param == "messages[0].role"
     assert refused({"messages": [{"role": "user", "content": "x"}],
-                    "output_config": {"format": {"type": "json_schema", "schema": {}}}}).param == \
-        "output_config.format"
+                    "output_config": {"format": {"type": "json_schema", "schema": []}}}).param == \
+        "output_config.format.schema"
     assert refused({"messages": [{"role": "user", "content": "x"}], "system": 5}).param == "system"
     assert refused({"messages": [{"role": "user", "content": "x"}],
                     "thinking": {"type": "sometimes"}}).param == "thinking.type"

@@ -302,3 +302,29 @@ def test_a_stream_that_fails_before_the_engine_answered_still_opens_with_message
     assert [n for n, _ in frames] == ["message_start", "ping", "error"]
     assert frames[-1][1]["request_id"] == frames[0][1]["message"]["id"]
     assert len(engine.submitted) == 2  # the one retry
+
+
+def test_the_constraint_the_engine_gets(text_layer, thinking_layer):
+    """output_config.format: the schema's grammar (for a reasoning template: after a thought);
+    a forced tool: the tool-call grammar; neither: no constraint."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tools = [{"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    cases = [
+        (text_layer, {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, "json_schema"),
+        (thinking_layer, {"output_config": {"format": {"type": "json_schema", "schema": schema}}}, "lark"),
+        (text_layer, {"tools": tools, "tool_choice": {"type": "any"}}, "tool_calls"),
+        (text_layer, {"tools": [{"name": "odd", "input_schema": {"type": "object", "properties": {
+            "xs": {"type": "array", "uniqueItems": True}}}}]}, "tool_calls"),  # lenient: never a 400
+        (text_layer, {}, None),
+    ]
+    for layer, extra, kind in cases:
+        engine = replay_engine([{"started": True}, finish("stop", "{}", n=1)])
+        run_stream(make_api(layer, engine), stream_body(**extra))
+        constraint = engine.submitted[0].constraint
+        assert (constraint.kind if constraint else None) == kind, extra
+        if kind == "json_schema":
+            assert orjson.loads(constraint.grammar)["additionalProperties"] is False  # closed
+        if kind == "lark":
+            assert "</think>" in constraint.grammar and '"n"' in constraint.grammar
+        if kind == "tool_calls":
+            assert "</tool_call>" in constraint.grammar

@@ -145,8 +145,8 @@ def test_reasoning_effort_rule():
 
 @pytest.mark.parametrize("body,param", [
     ({"include": ["message.input_text.logprobs"]}, "include"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
