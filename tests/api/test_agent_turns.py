@@ -10,7 +10,7 @@ too), and a streamed turn that reaches its terminal event in the client's event 
 
 Decode length: the clients ask for 32000 (Claude Code), the rest of the context (Codex)
 or 16384 (Pi) tokens, and whether the 135M model ends its turn by itself within that is
-model quality, not protocol (README, Long contexts; benchmarks/agent_turns.py measures
+model quality, not protocol (README, Coding agents; benchmarks/agent_turns.py measures
 it). So the long requests go out exactly as the client sends them and are read until
 the first content, then hung up, as a client that gave up would; the turn is then sent
 again with its output limit capped at TURN_TOKENS (Claude Code resends after a dropped
