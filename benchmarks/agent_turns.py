@@ -15,9 +15,10 @@ Output: one line per request,
 
 `--max-tokens` caps each request's own output limit (max_tokens / max_output_tokens /
 max_completion_tokens; default: the client's own, which the server clamps to the rest of
-the context, so a looping model writes until the context is full). `--billing` changes Claude Code's billing header (the first system block) as each real
-turn does; the header is not in the prompt, so a rerun against the same server is served
-from the prefix cache: restart the server to time a cold prefill.
+the context, so a looping model writes until the context is full). `--billing` changes
+Claude Code's billing header (the first system block) as each real turn does; the header
+is not in the prompt, so a rerun against the same server is served from the prefix
+cache: restart the server to time a cold prefill.
 """
 from __future__ import annotations
 
