@@ -141,3 +141,20 @@ def start_mashbox(default_model_path, tmp_path):
     yield start
     for s in started:
         stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def start_mashbox_module(default_model_path, tmp_path_factory):
+    """`start_mashbox` for a module's tests to share one server of their own flags (a
+    long-context server costs a start-up per test otherwise)."""
+    started: list[RunningServer] = []
+    tmp_dir = str(tmp_path_factory.mktemp("module-server"))
+
+    def start(*extra_args: str, headers: dict | None = None) -> RunningServer:
+        s = start_server(default_model_path, tmp_dir, tuple(extra_args), headers=headers)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        stop_server(s)
