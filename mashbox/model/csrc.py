@@ -283,3 +283,29 @@ class LayerTable:
             cos.data_ptr(), sin.data_ptr(), int(cos.shape[0]), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.stride(0), int(k_cache.shape[1]), int(k_cache.shape[3]), window, scale,
             scratch.data_ptr(), scratch.numel(), kernel, parallel(), torch.get_num_threads())
+
+
+def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
+             y: torch.Tensor, mode: int, kernel: int) -> None:
+    """y [M, n] (as mode says: native.Y_*) of x [M, k] bfloat16 and w, the [n, k] weight in
+    GGUF blocks of qtype (uint8 [n, row_bytes], contiguous) (+ bias float32 [n])."""
+    _rows(x, "x", torch.bfloat16, k)
+    row_bytes = int(w.shape[1]) if w.dim() == 2 else -1
+    legacy = native.q_row_bytes(qtype, k)
+    if (w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != n or not w.is_contiguous()
+            or w.device.type != "cpu" or (legacy and row_bytes != legacy)):
+        raise ValueError(f"w must be a contiguous uint8 CPU tensor [{n}, {legacy or 'row bytes'}] of type {qtype} "
+                         f"blocks for k {k}, got {w.dtype} {tuple(w.shape)}")
+    if bias is not None:
+        _vector(bias, "bias", torch.float32, n)
+    dtype = Y_MODES.get(mode)
+    if dtype is None:
+        raise ValueError(f"mode must be one of native.Y_*, got {mode}")
+    _rows(y, "y", dtype, n)
+    m = int(x.shape[0])
+    if y.shape[0] != m:
+        raise ValueError(f"y must have {m} rows (x's), got {y.shape[0]}")
+    if m:
+        native.q_linear_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
+                            0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
+                            kernel, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
