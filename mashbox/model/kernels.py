@@ -62,9 +62,13 @@ class Kernels:
         csrc_linears = native.NATIVE and device.type == "cpu" and dtype == torch.bfloat16
         linears = self.linears
         if linears == "auto":
-            linears = "csrc" if csrc_linears and packs and auto_csrc else "onednn" if packs else "torch"
+            # weights "gguf" (QuantLinear) run on csrc only
+            linears = ("csrc" if csrc_linears and packs and (auto_csrc or weights == "gguf")
+                       else "onednn" if packs else "torch")
         elif linears == "csrc" and not csrc_linears:
             raise ModelError("kernels.linears csrc needs bfloat16 on the CPU with the C extension built")
+        elif linears != "csrc" and weights == "gguf":
+            raise ModelError("weights gguf runs on csrc's linears (kernels.linears csrc)")
         elif linears == "onednn" and not packs:
             raise ModelError("kernels.linears onednn needs a CPU with oneDNN's linear packing")
         csrc_attention = attention.supported(config, dtype, device)
