@@ -82,7 +82,6 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
 
 def measure(path: str, tokens: int, prefill: int, threads: int, repeat: int) -> dict:
     """One file in this process: what the `quant:` line reports, as a dict."""
-    import torch  # noqa: F401  (torch's own memory counted before the load)
 
     from benchmarks.decode import ForwardTimer, decode_rate, read_bandwidth
     from mashbox.config import EngineConfig
