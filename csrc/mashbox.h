@@ -179,8 +179,8 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
 
 /* One decoder layer's weights for mb_bf16_decode_layers (addresses in the model's own
- * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack; biases
- * float32 or NULL. */
+ * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack or in
+ * GGUF blocks (their *_type); biases float32 or NULL. */
 struct mb_layer {
     const uint16_t *input_norm;
     const uint16_t *qkv;
@@ -190,6 +190,11 @@ struct mb_layer {
     const uint16_t *post_norm;
     const uint16_t *gate_up;
     const uint16_t *down;
+    /* 0 (what a zeroed struct says): the four linears above are packed by mb_bf16_pack;
+     * else qkv, o, gate_up, down hold GGUF blocks of these MB_GGML_* types for
+     * mb_q_linear, rows *_row_bytes apart (csrc/quant.c) */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
 };
 
 /* bfloat16 elements of scratch mb_bf16_decode_layers needs for t rows:

@@ -415,6 +415,7 @@ def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
 
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # struct mb_layer's uint16_t * fields
 LAYER_BIASES = ("qkv_bias", "o_bias")  # its float * fields (0: none)
+LAYER_BLOCKS = ("qkv", "o", "gate_up", "down")  # linears with <name>_type, <name>_row_bytes (0: packed)
 
 
 def bf16_layers(layers: Sequence[dict[str, int]]):
@@ -428,6 +429,9 @@ def bf16_layers(layers: Sequence[dict[str, int]]):
             setattr(arr[i], name, _ffi.cast("uint16_t *", layer[name]))
         for name in LAYER_BIASES:
             setattr(arr[i], name, _ffi.cast("float *", layer.get(name, 0)))
+        for name in LAYER_BLOCKS:  # 0 when absent: packed bfloat16
+            setattr(arr[i], name + "_type", int(layer.get(name + "_type", 0)))
+            setattr(arr[i], name + "_row_bytes", int(layer.get(name + "_row_bytes", 0)))
     return arr
 
 

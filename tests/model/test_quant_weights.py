@@ -92,3 +92,24 @@ def test_parts_of_other_types_fuse_dense(tmp_path):
     assert isinstance(decoder.layers[0].qkv, linear.BF16Linear)
     assert isinstance(decoder.layers[1].qkv, linear.QuantLinear)
     assert isinstance(decoder.layers[0].gate_up, linear.QuantLinear)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel):
+    """Decode steps on blocks run every layer in one C call (csrc/layers.c, the linears'
+    *_type): the same bits as PythonLayers' calls one by one."""
+    path = _gguf(tmp_path, "llama", Q.Q4_1)
+    decoders = []
+    for layers in ("c", "python"):
+        w = loader.load(path, torch.bfloat16, CPU, blocks=True)
+        decoders.append(Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
+                                kernels=Kernels(kernel=kernel, attention="csrc", layers=layers)))
+    assert decoders[0].kernels.layers == "c" and decoders[1].kernels.layers == "python"
+    outs = []
+    for d in decoders:
+        cache = KVCache(d.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
+        d(Batch.build([(s, 0, [3 + s, 5, 7, 11]) for s in range(3)]), cache)
+        steps = [d(Batch.build([(s, 4 + i, [13 + i + s]) for s in range(3)], decode=(True,) * 3), cache)
+                 for i in range(3)]
+        outs.append(torch.stack(steps))
+    assert torch.equal(outs[0], outs[1])
