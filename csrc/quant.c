@@ -19,8 +19,8 @@
  * every block b in order (x[i] the block's inputs, bfloat16 denormals read as zero):
  *     t[l] = (x[2l+1] * q[2l+1]) + x[2l] * q[2l]     (vdpbf16ps from zero: exact
  *                                                      products, one rounded add)
- *     acc[l] = acc[l] + t[l] * d                      (two roundings, no fma)
- *     formats with m: s[l] = x[2l+1] + x[2l];  acc[l] = acc[l] + s[l] * m
+ *     acc[l] = fma(t[l], d, acc[l])                   (one rounding)
+ *     formats with m: s[l] = x[2l+1] + x[2l];  acc[l] = fma(s[l], m, acc[l])
  * (sums inside t and s that come out denormal are zero, as vdpbf16ps makes them); then
  * the lanes are summed as a tree, lane i + lane i+8, then i + i+4, i + i+2, 0 + 1, and
  * bias added; y as mb_bf16_linear writes it (y modes). mashbox/native_ref.py's q_linear
@@ -29,12 +29,17 @@
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
  * (guided runs). Inside an item, two outputs at a time pass over all its rows in groups
- * of 8, so the weights come from memory once per item and the second row group finds
- * them in L1: a decode step of up to MB_Q_ROWS rows streams the weights once.
+ * of 8 (four outputs for one or two rows: they share each x load and pair sum), so the
+ * weights come from memory once per item and the next row group finds them in L1: a
+ * decode step of up to MB_Q_ROWS rows streams the weights once. Measured (one thread,
+ * a busy machine, [8192, 2048]): batch 1 Q4_0 1.0 ms, Q8_0 1.7-2.1, Q4_1 2.0-2.3, the
+ * bfloat16 kernel 1.3-1.8: the widening and scaling of each block, not its bytes, are
+ * the cost (benchmarks/quant.py measures whole steps).
  */
 #include "mashbox.h"
 #include "bf16.h"
 
+#include <math.h>
 #include <string.h>
 
 #define MB_Q_BLOCK 32
@@ -159,11 +164,9 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
                 for (int l = 0; l < 16; l++) {
                     float x1 = mb_flush(mb_bf16_f32(xb[2 * l + 1])), x0 = mb_flush(mb_bf16_f32(xb[2 * l]));
                     float t = mb_flush(mb_flush(x1 * (float)q[2 * l + 1]) + x0 * (float)q[2 * l]);
-                    acc[l] = acc[l] + t * d;
-                    if (j->fmt.has_m) {
-                        float s = mb_flush(x1 + x0);
-                        acc[l] = acc[l] + s * m;
-                    }
+                    acc[l] = fmaf(t, d, acc[l]);
+                    if (j->fmt.has_m)
+                        acc[l] = fmaf(mb_flush(x1 + x0), m, acc[l]);
                 }
             }
             mb_q_store(j, r, c, mb_q_tree(acc));
@@ -228,7 +231,7 @@ static inline __attribute__((always_inline)) MB_Q_TARGET float mb_q_tree_avx(__m
     return _mm_cvtss_f32(s1);
 }
 
-/* NO outputs (1 or 2) x MR rows (1..8); type, NO, MR constants in each instantiation. */
+/* NO outputs (1, 2, or 4 for MR <= 2) x MR rows (1..8); type, NO, MR constants in each instantiation. */
 static inline __attribute__((always_inline)) MB_Q_TARGET void
 mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0, const int32_t type,
           const int NO, const int MR) {
@@ -236,7 +239,7 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
     int32_t blocks = j->k / MB_Q_BLOCK;
-    __m512 acc[2][MB_Q_MR];
+    __m512 acc[4][MB_Q_MR];
     for (int o = 0; o < NO; o++)
         for (int r = 0; r < MR; r++)
             acc[o][r] = _mm512_setzero_ps();
@@ -244,17 +247,17 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
     const uint8_t *w0 = j->w + (size_t)c0 * j->row_bytes;
     const uint16_t *x = j->x + (size_t)r0 * j->ldx;
     for (int32_t b = 0; b < blocks; b++) {
-        __m512bh wv[2];
-        __m512 dv[2], mv[2];
+        __m512bh wv[4];
+        __m512 dv[4], mv[4];
         for (int o = 0; o < NO; o++) {
             const uint8_t *blk = w0 + (size_t)o * j->row_bytes + (size_t)b * bytes;
             wv[o] = mb_q_widen(type, blk, tb);
             uint16_t h;
             memcpy(&h, blk, 2);
-            dv[o] = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+            dv[o] = _mm512_set1_ps(_cvtsh_ss(h));
             if (has_m) {
                 memcpy(&h, blk + 2, 2);
-                mv[o] = _mm512_cvtph_ps(_mm256_set1_epi16((short)h));
+                mv[o] = _mm512_set1_ps(_cvtsh_ss(h));
             }
         }
         for (int r = 0; r < MR; r++) {
@@ -264,9 +267,9 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
                 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, ones);
             for (int o = 0; o < NO; o++) {
                 __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, wv[o]);
-                acc[o][r] = _mm512_add_ps(acc[o][r], _mm512_mul_ps(t, dv[o]));
+                acc[o][r] = _mm512_fmadd_ps(t, dv[o], acc[o][r]);
                 if (has_m)
-                    acc[o][r] = _mm512_add_ps(acc[o][r], _mm512_mul_ps(s, mv[o]));
+                    acc[o][r] = _mm512_fmadd_ps(s, mv[o], acc[o][r]);
             }
         }
     }
@@ -292,7 +295,15 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
                                  int32_t outs) {                                                 \
         struct mb_q_tables tb;                                                                   \
         mb_q_make_tables(T, &tb);                                                                \
-        for (int32_t c = c0; c < c0 + outs; c += 2) {                                            \
+        int32_t c = c0;                                                                          \
+        if (rows <= 2) /* decode of one or two rows: four outputs share each x load */          \
+            for (; c + 4 <= c0 + outs; c += 4) {                                                 \
+                if (rows == 2)                                                                   \
+                    mb_q_tile(j, &tb, r0, c, T, 4, 2);                                           \
+                else                                                                             \
+                    mb_q_tile(j, &tb, r0, c, T, 4, 1);                                           \
+            }                                                                                    \
+        for (; c < c0 + outs; c += 2) {                                                          \
             int two = c + 1 < c0 + outs;                                                         \
             for (int32_t r = r0; r < r0 + rows; r += MB_Q_MR) {                                  \
                 int32_t mr = r0 + rows - r < MB_Q_MR ? r0 + rows - r : MB_Q_MR;                  \

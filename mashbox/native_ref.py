@@ -522,12 +522,26 @@ def q_parts(qtype: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q.astype(np.float32), d, m
 
 
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once (C's fmaf), for b a float16 value: a * b is exact
+    in float64 (24 + 11 bits); the float64 sum is rounded to odd (its exact error by
+    TwoSum decides), after which rounding to float32 is the single rounding."""
+    a64, c64 = a.astype(np.float64), np.broadcast_to(c, np.broadcast(a, b, c).shape).astype(np.float64)
+    p = a64 * b.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)  # s + err == p + c exactly
+    nudge = (err != 0) & ((s.view(np.uint64) & np.uint64(1)) == 0)
+    s = np.where(nudge, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
 def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
              y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype -> y as
     bf16_linear's. Per output, 16 float32 lanes from 0, block after block (x flushed):
-        t[l] = flush(flush(x[2l+1] q[2l+1]) + x[2l] q[2l]);  acc[l] = acc[l] + t[l] * d
-        with a min:  s[l] = flush(x[2l+1] + x[2l]);  acc[l] = acc[l] + s[l] * m
+        t[l] = flush(flush(x[2l+1] q[2l+1]) + x[2l] q[2l]);  acc[l] = fma(t[l], d, acc[l])
+        with a min:  s[l] = flush(x[2l+1] + x[2l]);  acc[l] = fma(s[l], m, acc[l])
     then lanes summed as a tree (i + i+8, i + i+4, i + i+2, 0 + 1), bias added."""
     q, d, mn = q_parts(qtype, w)  # [n, B, 32], [n, B]
     xf = _flush(bf16_to_f32(x)).reshape(x.shape[0], 1, -1, Q_LANES, 2)  # [m, 1, B, 16, (even, odd)]
@@ -537,9 +551,9 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
         t = _flush(_flush(xf[..., 1] * qp[..., 1]) + xf[..., 0] * qp[..., 0])  # [m, n, B, 16]
         s = _flush(xf[..., 1] + xf[..., 0])  # [m, 1, B, 16]
         for b in range(q.shape[1]):
-            acc = acc + t[:, :, b] * d[None, :, b, None]
+            acc = _fma32(t[:, :, b], d[None, :, b, None], acc)
             if mn is not None:
-                acc = acc + s[:, :, b] * mn[None, :, b, None]
+                acc = _fma32(s[:, :, b], mn[None, :, b, None], acc)
         for width in (8, 4, 2, 1):
             acc = acc[..., :width] + acc[..., width:2 * width]
         out = acc[..., 0]  # [m, n]

@@ -69,7 +69,7 @@ def _problem(draw, max_m=16, max_n=40, max_blocks=5):
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_problem())
 def test_kernels_match_the_reference(kernel, problem):
     qtype, w, x, bias, y_f32, add_to = problem
