@@ -11,7 +11,8 @@ where csrc reads them, the rest dequantized) and measures, in the same run:
 - the machine's read bandwidth (a sum over a large bfloat16 tensor, decode.py's
   read_bandwidth), and the bound it sets: read bandwidth / bytes the step reads (every
   linear's blocks once, the embedding's rows aside);
-- resident memory: the process's RSS growth over the load against the file's tensor
+- resident memory: the process's RSS growth over the load (less the KV cache, which
+  is zeroed at start; the tokenizer and runtime stay in it) against the file's tensor
   bytes, and the decoder's own weight bytes;
 - with LLAMA_BENCH=/path/to/llama-bench: llama.cpp's tg (decode, batch 1) and pp
   (prefill) on the same file with -t THREADS, and mashbox's ratios to them.
@@ -31,6 +32,7 @@ Usage: python benchmarks/quant.py [FILE.gguf ...] [--big /work/big] [--tokens 32
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -92,8 +94,10 @@ def measure(path: str, tokens: int, prefill: int, threads: int, repeat: int) -> 
     rss0 = _rss()
     engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16),
                                  threads=threads, prefill_chunk=max(512, prefill)))
-    rss1 = _rss()
+    gc.collect()
     r = engine.runner
+    kv_bytes = sum(t.numel() * t.element_size() for t in (r.cache.k, r.cache.v))
+    rss1 = _rss() - kv_bytes  # the KV cache is zeroed (touched) at start; not a weight
     ForwardTimer(r.decoder)
     decode_rate(engine, 1, 4, "warm")
     b1 = b8 = pp = bw = 0.0
