@@ -252,12 +252,16 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
         for (int o = 0; o < NO; o++) {
             const uint8_t *blk = w0 + (size_t)o * j->row_bytes + (size_t)b * bytes;
             wv[o] = mb_q_widen(type, blk, tb);
-            uint16_t h;
-            memcpy(&h, blk, 2);
-            dv[o] = _mm512_set1_ps(_cvtsh_ss(h));
-            if (has_m) {
-                memcpy(&h, blk + 2, 2);
-                mv[o] = _mm512_set1_ps(_cvtsh_ss(h));
+            if (has_m) { /* d and m side by side: one conversion */
+                int32_t dm;
+                memcpy(&dm, blk, 4);
+                __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+                dv[o] = _mm512_broadcastss_ps(f);
+                mv[o] = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+            } else {
+                uint16_t h;
+                memcpy(&h, blk, 2);
+                dv[o] = _mm512_set1_ps(_cvtsh_ss(h));
             }
         }
         for (int r = 0; r < MR; r++) {
