@@ -16,8 +16,9 @@ and a last line pairs each round's b1 with copies measured just before and after
 
 Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto] [--repeat 3]
        [--profile]   (adds a torch profiler table of one batch-1 and one batch-8 step)
-       [--weights dense|int8|int4]   (opt-in weight-only quantized linears, bf16 on CPU;
-       the bound stays the dense model's, so int4 can pass 100%)
+       [--weights auto|gguf|dense|int8|int4]   (auto, the server's default: a GGUF's own
+       blocks on a CPU with AVX512-BF16; int8 / int4: opt-in weight-only quantized linears,
+       bf16 on CPU, whose bound stays the dense model's, so int4 can pass 100%)
        [--linears own|onednn]   (bf16 dense linears on mashbox's kernel, the default where
        the CPU has AVX512-BF16, or on oneDNN, for a side-by-side)
        [--decode c|loop|sdpa]   (decode steps' layers in one C call with csrc's attention,
@@ -159,7 +160,7 @@ def main() -> int:
                     help="rounds of b1, b4, b8 (interleaved); the best round of each counts, "
                          "since on a shared machine other load only ever slows a round down")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--weights", default="dense", choices=("dense", "int8", "int4"))
+    ap.add_argument("--weights", default="auto", choices=("auto", "gguf", "dense", "int8", "int4"))
     ap.add_argument("--linears", default="own", choices=("own", "onednn"))
     ap.add_argument("--decode", default="c", choices=("c", "loop", "sdpa"))
     args = ap.parse_args()
@@ -173,15 +174,16 @@ def main() -> int:
                        dtype=args.dtype, device=args.device, threads=args.threads)
     engine = Engine(cfg)
     r = engine.runner
-    if args.weights != "dense" or args.linears != "own" or args.decode != "c":
+    if args.weights != "auto" or args.linears != "own" or args.decode != "c":
         # rebuild the runner's decoder in place with the asked-for linears
         from mashbox.model import loader
         from mashbox.model.decoder import Decoder
         from mashbox.model.kernels import Kernels
 
         del r.decoder
-        w = loader.load(path, r.dtype, r.device)
-        r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=args.weights, limits=r.limits,
+        fmt = r.weight_format if args.weights == "auto" else args.weights
+        w = loader.load(path, r.dtype, r.device, blocks=fmt == "gguf")
+        r.decoder = Decoder(w.config, w.tensors, r.dtype, r.device, weights=fmt, limits=r.limits,
                             kernels=Kernels(linears="auto" if args.linears == "own" else "onednn",
                                             attention="sdpa" if args.decode == "sdpa" else "auto",
                                             layers="auto" if args.decode == "c" else "python"))
@@ -211,7 +213,7 @@ def main() -> int:
     read_bound = read_bw / r.read_bytes_per_step
     print(f"model {os.path.basename(path)}: {r.model_config.arch}, {r.dtype} on {r.device}, "
           f"{r.weight_bytes / 1e6:.0f} MB weights, {r.read_bytes_per_step / 1e6:.0f} MB read per step "
-          f"(dense; weights {args.weights}; linears "
+          f"(as loaded: weights {r.weight_format}; decoder weights {r.decoder.weights}; linears "
           f"{r.decoder.kernels.linears}; decode layers {r.decoder.kernels.layers}, attention "
           f"{r.decoder.kernels.attention}; kernel {r.decoder.kernels.kernel}); "
           f"native sampler: {'C' if native.NATIVE else 'Python reference'}; threads {torch.get_num_threads()}, "

@@ -17,6 +17,16 @@
  */
 #include "mashbox.h"
 
+/* One of a layer's linears: packed bfloat16 (type 0) or GGUF blocks (mb_q_linear). */
+static int mb_layer_linear(const uint16_t *w, int32_t type, int64_t row_bytes, const uint16_t *x,
+                           int64_t ldx, int32_t m, int32_t n, int32_t k, const float *bias, void *y,
+                           int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
+    if (type)
+        return mb_q_linear(type, (const uint8_t *)w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy,
+                           kernel, parallel, threads);
+    return mb_bf16_linear(x, ldx, m, w, n, k, bias, y, y_mode, ldy, kernel, parallel, threads);
+}
+
 int64_t mb_bf16_decode_scratch(int32_t t, int32_t hidden, int32_t heads, int32_t kv_heads,
                                int32_t head_dim, int32_t intermediate) {
     if (t < 1 || hidden < 1 || heads < 1 || kv_heads < 1 || head_dim < 1 || intermediate < 1)
@@ -50,21 +60,23 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
         uint16_t *kc = k_cache + (size_t)li * layer_stride, *vc = v_cache + (size_t)li * layer_stride;
         int rc;
         if ((rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->input_norm, eps, h, hidden)) ||
-            (rc = mb_bf16_linear(h, hidden, t, L->qkv, qkv_n, hidden, L->qkv_bias, qkv, MB_Y_BF16,
-                                 qkv_n, kernel, parallel, threads)) ||
+            (rc = mb_layer_linear(L->qkv, L->qkv_type, L->qkv_row_bytes, h, hidden, t, qkv_n, hidden,
+                                  L->qkv_bias, qkv, MB_Y_BF16, qkv_n, kernel, parallel, threads)) ||
             (rc = mb_bf16_rope_kv(qkv, qkv_n, t, heads, kv_heads, head_dim, cos, sin, positions,
                                   slots, kc, vc, n_slots, capacity, table_rows)) ||
             (rc = mb_bf16_attention(qkv, qkv_n, t, rows, slots, ends, t, heads, kv_heads, head_dim,
                                     window, scale, kc, vc, n_slots, capacity, attn, q_size,
                                     kernel, parallel, threads)) ||
-            (rc = mb_bf16_linear(attn, q_size, t, L->o, hidden, q_size, L->o_bias, x, MB_Y_ADD_BF16,
-                                 hidden, kernel, parallel, threads)) ||
+            (rc = mb_layer_linear(L->o, L->o_type, L->o_row_bytes, attn, q_size, t, hidden, q_size,
+                                  L->o_bias, x, MB_Y_ADD_BF16, hidden, kernel, parallel, threads)) ||
             (rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->post_norm, eps, h, hidden)) ||
-            (rc = mb_bf16_linear(h, hidden, t, L->gate_up, 2 * intermediate, hidden, NULL, gu,
-                                 MB_Y_BF16, 2 * intermediate, kernel, parallel, threads)) ||
+            (rc = mb_layer_linear(L->gate_up, L->gate_up_type, L->gate_up_row_bytes, h, hidden, t,
+                                  2 * intermediate, hidden, NULL, gu, MB_Y_BF16, 2 * intermediate,
+                                  kernel, parallel, threads)) ||
             (rc = mb_bf16_silu_mul(gu, 2 * intermediate, t, intermediate, act, intermediate)) ||
-            (rc = mb_bf16_linear(act, intermediate, t, L->down, hidden, intermediate, NULL, x,
-                                 MB_Y_ADD_BF16, hidden, kernel, parallel, threads)))
+            (rc = mb_layer_linear(L->down, L->down_type, L->down_row_bytes, act, intermediate, t, hidden,
+                                  intermediate, NULL, x, MB_Y_ADD_BF16, hidden, kernel, parallel,
+                                  threads)))
             return rc;
     }
     return MB_OK;

@@ -161,9 +161,38 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
                       int32_t capacity, uint16_t *out, int64_t ldo, int32_t kernel,
                       void *parallel, int32_t threads);
 
+/* Linear layers on GGUF's quantized blocks (csrc/quant.c states the arithmetic). Block
+ * types, ggml's numbers (gguf.GGMLQuantizationType): */
+#define MB_GGML_Q4_0 2
+#define MB_GGML_Q4_1 3
+#define MB_GGML_Q5_0 6
+#define MB_GGML_Q5_1 7
+#define MB_GGML_Q8_0 8
+#define MB_GGML_Q4_K 12
+#define MB_GGML_Q5_K 13
+#define MB_GGML_Q6_K 14
+
+/* Bytes of one row of k elements in a legacy block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0);
+ * 0 for another type or k not a multiple of 32. */
+int64_t mb_q_row_bytes(int32_t type, int32_t k);
+
+/* 1 when mb_q_linear runs this type in this build (the K-quants: with csrc/kquant.c). */
+int mb_q_supported(int32_t type);
+
+/* y[r, c] = x[r, :k] . dequant(w row c) (+ bias[c]) for r < m, c < n. w: n rows,
+ * row_bytes apart, each k / 32 blocks in ggml's own layout (the GGUF file's bytes); x:
+ * bfloat16 bits, rows ldx apart (used exactly, never quantized); bias float32 or NULL;
+ * y, y_mode, ldy, kernel, parallel, threads as mb_bf16_linear's. Types Q4_K, Q5_K, Q6_K
+ * go to mb_kq_linear (csrc/kquant.c) where it is built in, else MB_EINVAL. Every
+ * output's bits depend only on its own x row, w row, bias (and y); the portable and
+ * AVX512 kernels give the same bits. */
+int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
+
 /* One decoder layer's weights for mb_bf16_decode_layers (addresses in the model's own
- * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack; biases
- * float32 or NULL. */
+ * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack or in
+ * GGUF blocks (their *_type); biases float32 or NULL. */
 struct mb_layer {
     const uint16_t *input_norm;
     const uint16_t *qkv;
@@ -173,6 +202,11 @@ struct mb_layer {
     const uint16_t *post_norm;
     const uint16_t *gate_up;
     const uint16_t *down;
+    /* 0 (what a zeroed struct says): the four linears above are packed by mb_bf16_pack;
+     * else qkv, o, gate_up, down hold GGUF blocks of these MB_GGML_* types for
+     * mb_q_linear, rows *_row_bytes apart (csrc/quant.c) */
+    int32_t qkv_type, o_type, gate_up_type, down_type;
+    int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
 };
 
 /* bfloat16 elements of scratch mb_bf16_decode_layers needs for t rows:

@@ -71,9 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                      help="compute dtype (default auto: bfloat16 where the CPU or GPU has bfloat16 units "
                      "or mashbox's AVX512-BF16 kernel runs, else float32; the same on every start)")
-    run.add_argument("--weights", choices=("dense", "int8", "int4"), default="dense",
-                     help="linear weights: dense (in --dtype; default), or weight-only int8 / int4 "
-                     "(opt-in, bfloat16 on a CPU only: faster decode, logits within ~1%% of dense)")
+    run.add_argument("--weights", choices=("auto", "gguf", "dense", "int8", "int4"), default="auto",
+                     help="linear weights (default auto: a .gguf file's own quantized blocks on a CPU with "
+                     "AVX512-BF16, else dense): gguf (kept in the file's blocks, bfloat16 on a CPU: "
+                     "Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 read as they are, other types dequantized), dense (in "
+                     "--dtype), or weight-only int8 / int4 (opt-in, bfloat16 on a CPU only: logits "
+                     "within ~1%% of dense)")
     run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                      help="device (default auto: cuda when available, else cpu)")
     run.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
@@ -189,7 +192,7 @@ def _flag_errors(args: argparse.Namespace) -> Optional[str]:
         return "--threads must be >= 1"
     if args.cache_ram < 0:
         return "--cache-ram must be >= 0 MiB (0 turns the host memory prompt cache off)"
-    if args.weights != "dense" and (args.dtype == "float32" or args.device == "cuda"):
+    if args.weights not in ("dense", "auto") and (args.dtype == "float32" or args.device == "cuda"):
         return f"--weights {args.weights} runs in bfloat16 on a CPU only"
     if args.rope_scale is not None and not 1.0 <= args.rope_scale < float("inf"):
         return "--rope-scale must be a number >= 1"

@@ -21,6 +21,9 @@ from typing import Optional
 FINISH_REASONS = ("stop", "stop_sequence", "length", "cancelled", "error")
 
 
+WEIGHTS = ("auto", "gguf", "dense", "int8", "int4")  # EngineConfig.weights, --weights
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy; at most 4
@@ -196,9 +199,10 @@ class EngineConfig:
     prefill_chunk: int = 512  # most prompt tokens one step prefills in all
     prefix_block: int = 16  # tokens per prefix-hash block
     threads: Optional[int] = None  # torch intra-op threads; None = torch's default
-    # "dense" (weights in `dtype`), or opt-in weight-only "int8" / "int4" linears (bfloat16
-    # on a CPU only: fewer bytes read per decode step, logits within ~1% of dense)
-    weights: str = "dense"
+    # "auto": a .gguf file's own quantized blocks ("gguf", bfloat16 on a CPU with
+    # AVX512-BF16: csrc/quant.c), else "dense" (weights in `dtype`); or opt-in weight-only
+    # "int8" / "int4" linears (bfloat16 on a CPU only, logits within ~1% of dense)
+    weights: str = "auto"
     # --rope-scaling / --rope-scale over the model's own rope scaling (ModelConfig.
     # with_rope_scaling): None = the model's own; "none" | "linear" | "yarn" | "dynamic".
     # rope_scale None = ctx / the trained length for the asked type, or the model's own.
@@ -219,9 +223,9 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 1")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1 (or None for torch's default)")
-        if self.weights not in ("dense", "int8", "int4"):
-            raise ValueError(f"weights must be dense, int8 or int4, not {self.weights!r}")
-        if self.weights != "dense" and self.dtype == "float32":
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {self.weights!r}")
+        if self.weights not in ("dense", "auto") and self.dtype == "float32":
             raise ValueError(f"weights {self.weights} runs in bfloat16 only, not with dtype float32")
         if self.rope_scaling not in (None,) + ROPE_SCALINGS:
             raise ValueError(f"rope_scaling must be one of {', '.join(ROPE_SCALINGS)}, not {self.rope_scaling!r}")

@@ -448,6 +448,7 @@ def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
 
 LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # struct mb_layer's uint16_t * fields
 LAYER_BIASES = ("qkv_bias", "o_bias")  # its float * fields (0: none)
+LAYER_BLOCKS = ("qkv", "o", "gate_up", "down")  # linears with <name>_type, <name>_row_bytes (0: packed)
 
 
 def bf16_layers(layers: Sequence[dict[str, int]]):
@@ -461,6 +462,9 @@ def bf16_layers(layers: Sequence[dict[str, int]]):
             setattr(arr[i], name, _ffi.cast("uint16_t *", layer[name]))
         for name in LAYER_BIASES:
             setattr(arr[i], name, _ffi.cast("float *", layer.get(name, 0)))
+        for name in LAYER_BLOCKS:  # 0 when absent: packed bfloat16
+            setattr(arr[i], name + "_type", int(layer.get(name + "_type", 0)))
+            setattr(arr[i], name + "_row_bytes", int(layer.get(name + "_row_bytes", 0)))
     return arr
 
 
@@ -583,3 +587,61 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
     bf16_linear_ptr(x.ctypes.data, k, m, packed.ctypes.data, n, k, 0 if bias is None else bias.ctypes.data,
                     y.ctypes.data, mode, n, bf16_kernel() if kernel is None else kernel, 0, 1)
     return y
+
+
+# GGUF block linears (csrc/quant.c): type numbers are ggml's (native_ref.Q_*).
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = native_ref.Q4_0, native_ref.Q4_1, native_ref.Q5_0, native_ref.Q5_1, native_ref.Q8_0
+Q4_K, Q5_K, Q6_K = 12, 13, 14  # forwarded by mb_q_linear to csrc/kquant.c's mb_kq_linear
+Q_LEGACY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)
+
+
+def q_row_bytes(qtype: int, k: int) -> int:
+    """Bytes of a k-element row of a legacy block type (0: not one, or k not a multiple of 32)."""
+    return int(_lib.mb_q_row_bytes(qtype, k)) if _lib is not None else native_ref.q_row_bytes(qtype, k)
+
+
+def q_linear_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int, bias: int,
+                 y: int, y_mode: int, ldy: int, kernel: int, parallel: int, threads: int) -> None:
+    """mb_q_linear on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
+    _check(_lib.mb_q_linear(
+        qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
+        _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy, kernel,
+        _ffi.cast("void *", parallel), threads), "q_linear")
+
+
+def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+             y_f32: bool = False, add_to: np.ndarray | None = None, kernel: int | None = None) -> np.ndarray:
+    """native_ref.q_linear through the C kernel (`kernel`, default the fastest here); w
+    uint8[n, row_bytes] blocks, x uint16[m, k]."""
+    x = _array(x, np.uint16, "x", 2)
+    w = _array(w, np.uint8, "w", 2)
+    m, k = x.shape
+    n = w.shape[0]
+    if m < 1 or n < 1 or w.shape[1] != (q_row_bytes(qtype, k) or -1) and qtype in Q_LEGACY:
+        raise ValueError(f"w must be [n >= 1, {q_row_bytes(qtype, k)}] bytes of type {qtype} for x {x.shape}, "
+                         f"got {w.shape}")
+    if bias is not None:
+        bias = _array(bias, np.float32, "bias", 1)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if add_to is not None:
+        if y_f32:
+            raise ValueError("add_to takes bfloat16 output (y_f32=False)")
+        add_to = _array(add_to, np.uint16, "add_to", 2)
+        if add_to.shape != (m, n):
+            raise ValueError(f"add_to must have shape ({m}, {n}), got {add_to.shape}")
+    if _lib is None:
+        return native_ref.q_linear(qtype, w, x, bias, y_f32, add_to)
+    if add_to is not None:
+        y, mode = add_to.copy(), Y_ADD_BF16
+    else:
+        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    q_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, x.ctypes.data, k, m,
+                 0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n,
+                 bf16_kernel() if kernel is None else kernel, 0, 1)
+    return y
+
+
+def q_supported(qtype: int) -> bool:
+    """mb_q_linear runs this block type in this build (the K-quants need csrc/kquant.c)."""
+    return _lib is not None and bool(_lib.mb_q_supported(qtype))

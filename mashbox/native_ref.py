@@ -513,3 +513,80 @@ def bf16_decode_layers(layers, heads: int, kv_heads: int, eps: float, x: np.ndar
         x[:] = bf16_linear(attn, layer["o"], layer.get("o_bias"), add_to=x)
         h = bf16_rmsnorm(x, layer["post_norm"], eps)
         x[:] = bf16_linear(bf16_silu_mul(bf16_linear(h, layer["gate_up"])), layer["down"], add_to=x)
+
+
+# GGUF legacy blocks (csrc/quant.c): ggml type -> (bytes per block of 32, offset of d,
+# offset of m or None). Q_* numbers are gguf.GGMLQuantizationType's.
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
+Q_BLOCK = 32
+Q_FORMATS = {Q8_0: (34, None), Q4_0: (18, None), Q4_1: (20, 2), Q5_0: (22, None), Q5_1: (24, 2)}
+Q_LANES = 16
+
+
+def q_row_bytes(qtype: int, k: int) -> int:
+    """Bytes of a row of k elements (0 when k is not a multiple of 32 or qtype not a legacy type)."""
+    if qtype not in Q_FORMATS or k < Q_BLOCK or k % Q_BLOCK:
+        return 0
+    return k // Q_BLOCK * Q_FORMATS[qtype][0]
+
+
+def q_parts(qtype: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """w uint8[n, row_bytes] -> (q float32[n, blocks, 32], d float32[n, blocks], m or None):
+    the block's small integers (what d multiplies), its scale and its min. The integers
+    are gguf's own dequantization (gguf.quants.dequantize) of the blocks with d set to
+    1 and m to 0, so the layouts are gguf-py's, not ours; q * d + m is gguf's value."""
+    from gguf import quants
+
+    nbytes, m_at = Q_FORMATS[qtype]
+    n = w.shape[0]
+    blocks = np.ascontiguousarray(w, dtype=np.uint8).reshape(n, -1, nbytes)  # [n, blocks, bytes]
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = None if m_at is None else blocks[:, :, m_at:m_at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    unit = blocks.copy()
+    unit[:, :, 0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    if m_at is not None:
+        unit[:, :, m_at:m_at + 2] = 0
+    q = quants.dequantize(unit.reshape(n, -1), qtype).reshape(n, -1, Q_BLOCK)
+    return q.astype(np.float32), d, m
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once (C's fmaf), for b a float16 value: a * b is exact
+    in float64 (24 + 11 bits); the float64 sum is rounded to odd (its exact error by
+    TwoSum decides), after which rounding to float32 is the single rounding."""
+    a64, c64 = a.astype(np.float64), np.broadcast_to(c, np.broadcast(a, b, c).shape).astype(np.float64)
+    p = a64 * b.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)  # s + err == p + c exactly
+    nudge = (err != 0) & ((s.view(np.uint64) & np.uint64(1)) == 0)
+    s = np.where(nudge, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+             y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
+    """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype -> y as
+    bf16_linear's. Per output, 16 float32 lanes from 0, block after block (x flushed):
+        t[l] = flush(flush(x[2l+1] q[2l+1]) + x[2l] q[2l]);  acc[l] = fma(t[l], d, acc[l])
+        with a min:  s[l] = flush(x[2l+1] + x[2l]);  acc[l] = fma(s[l], m, acc[l])
+    then lanes summed as a tree (i + i+8, i + i+4, i + i+2, 0 + 1), bias added."""
+    q, d, mn = q_parts(qtype, w)  # [n, B, 32], [n, B]
+    xf = _flush(bf16_to_f32(x)).reshape(x.shape[0], 1, -1, Q_LANES, 2)  # [m, 1, B, 16, (even, odd)]
+    qp = q.reshape(1, q.shape[0], q.shape[1], Q_LANES, 2)  # [1, n, B, 16, 2]
+    acc = np.zeros((x.shape[0], q.shape[0], Q_LANES), dtype=np.float32)  # [m, n, 16]
+    with np.errstate(all="ignore"):
+        t = _flush(_flush(xf[..., 1] * qp[..., 1]) + xf[..., 0] * qp[..., 0])  # [m, n, B, 16]
+        s = _flush(xf[..., 1] + xf[..., 0])  # [m, 1, B, 16]
+        for b in range(q.shape[1]):
+            acc = _fma32(t[:, :, b], d[None, :, b, None], acc)
+            if mn is not None:
+                acc = _fma32(s[:, :, b], mn[None, :, b, None], acc)
+        for width in (8, 4, 2, 1):
+            acc = acc[..., :width] + acc[..., width:2 * width]
+        out = acc[..., 0]  # [m, n]
+        if bias is not None:
+            out = out + np.asarray(bias, dtype=np.float32)
+        if add_to is not None:
+            out = bf16_to_f32(add_to) + out
+    return out if y_f32 else f32_to_bf16(out)

@@ -25,6 +25,8 @@ from mashbox.engine.scheduler import StepPlan
 from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
+from mashbox.model.block_weight import tensor_bytes
+from mashbox.model.errors import ModelError
 from mashbox.model.layer_loop import StepLimits
 
 if TYPE_CHECKING:
@@ -33,6 +35,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("mashbox.engine.runner")
 
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
+
+
+def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The Decoder's weights for the config's: "auto" is "gguf" (the file's own quantized
+    blocks, csrc/quant.c) for a .gguf file in bfloat16 on a CPU where csrc's AVX512-BF16
+    kernel runs, else "dense"; an explicit "gguf" that cannot run here is a ModelError."""
+    runs = (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16 and native.NATIVE
+            and native.bf16_kernel() == native.KERNEL_AVX512BF16)
+    if asked == "auto":
+        return "gguf" if runs else "dense"
+    if asked == "gguf" and not (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16):
+        raise ModelError(f"weights gguf needs a .gguf model in bfloat16 on a CPU ({path}, {dtype}, {device})")
+    return asked
 
 
 def sampling_row(p: SamplingParams) -> tuple[float, ...]:
@@ -58,21 +73,23 @@ class Runner:
             torch.set_num_threads(cfg.threads)
         hidden = loader.read_config(cfg.model_path).hidden_size  # sizes the auto-dtype probe
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
-        dtype = "bfloat16" if cfg.weights != "dense" and cfg.dtype == "auto" else cfg.dtype
+        dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
         self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, dtype, hidden)
+        # weights "auto": a GGUF's own blocks where csrc's fast kernels run them, else dense
+        self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()
-        weights = loader.load(cfg.model_path, self.dtype, self.device)
+        weights = loader.load(cfg.model_path, self.dtype, self.device, blocks=self.weight_format == "gguf")
         self.model_config = mc = weights.config
         self.weights_file = weights.weights_file
         self.bpw = float(weights.bpw)
         # bytes of weights in device memory; the decode step reads each of them once
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in weights.tensors.values())
+        self.weight_bytes = sum(tensor_bytes(t) for t in weights.tensors.values())
         if mc.tie_word_embeddings and "lm_head.weight" not in weights.tensors:
             # the embedding is read twice per step: one row gathered, all of it as lm_head
             self.read_bytes_per_step = self.weight_bytes
         else:
             emb = weights.tensors.get("model.embed_tokens.weight")
-            emb_bytes = emb.numel() * emb.element_size() if emb is not None else 0
+            emb_bytes = tensor_bytes(emb) if emb is not None else 0
             self.read_bytes_per_step = self.weight_bytes - emb_bytes  # embedding: a gather
         self.ctx = int(cfg.ctx or mc.max_position_embeddings)
         # --rope-scaling / --rope-scale over the file's own scaling, before anything reads mc
@@ -82,8 +99,6 @@ class Runner:
             (log.warning if plain_past else log.info)(
                 "ctx %d, trained length %d: %s", self.ctx, mc.max_position_embeddings, mc.describe_rope())
         self.num_slots = cfg.slots
-        # weights "dense" unless the config opts into weight-only int8 / int4
-        self.weight_format = cfg.weights
         # the scheduler never plans more than max(prefill_chunk, decode rows + 1) tokens;
         # a step of decode rows only has at most one row per slot
         self.max_tokens = cfg.prefill_chunk + cfg.slots

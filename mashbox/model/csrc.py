@@ -212,7 +212,8 @@ class LayerTable:
 
     layers: one dict per layer of input_norm, post_norm (bfloat16 [hidden]); qkv, o,
     gate_up, down (packed int16 buffers, as mb_bf16_pack lays them out, with their [n, k]
-    in `shapes`); qkv_bias, o_bias (float32 [n] or None)."""
+    in `shapes`; or, where the dict has `<name>_type`, a GGUF block type, uint8 blocks
+    [n, row_bytes] for mb_q_linear); qkv_bias, o_bias (float32 [n] or None)."""
 
     __slots__ = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "count", "_tensors", "array")
 
@@ -231,15 +232,19 @@ class LayerTable:
             for name in ("input_norm", "post_norm"):
                 _vector(layer[name], f"layers[{i}].{name}", torch.bfloat16, hidden)
             for name, (n, k) in shapes.items():
+                qtype = int(layer.get(name + "_type") or 0)
                 try:
-                    _packed(layer[name], n, k)
+                    if qtype:
+                        entry[name + "_type"], entry[name + "_row_bytes"] = qtype, _blocks(layer[name], qtype, n, k)
+                    else:
+                        _packed(layer[name], n, k)
                 except ValueError as exc:
                     raise ValueError(f"layers[{i}].{name}: {exc}") from None
             for name, n in biases.items():
                 if layer.get(name) is not None:
                     _vector(layer[name], f"layers[{i}].{name}", torch.float32, n)
             for name, t in layer.items():
-                if t is not None:
+                if isinstance(t, torch.Tensor):
                     self._tensors.append(t)
                     entry[name] = t.data_ptr()
             entries.append(entry)
@@ -283,3 +288,35 @@ class LayerTable:
             cos.data_ptr(), sin.data_ptr(), int(cos.shape[0]), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.stride(0), int(k_cache.shape[1]), int(k_cache.shape[3]), window, scale,
             scratch.data_ptr(), scratch.numel(), kernel, parallel(), torch.get_num_threads())
+
+
+def _blocks(w: torch.Tensor, qtype: int, n: int, k: int) -> int:
+    """w holds a [n, k] weight in GGUF blocks of qtype: its row bytes."""
+    row_bytes = int(w.shape[1]) if w.dim() == 2 else -1
+    legacy = native.q_row_bytes(qtype, k)
+    if (w.dtype != torch.uint8 or w.dim() != 2 or w.shape[0] != n or not w.is_contiguous()
+            or w.device.type != "cpu" or (legacy and row_bytes != legacy)):
+        raise ValueError(f"w must be a contiguous uint8 CPU tensor [{n}, {legacy or 'row bytes'}] of type {qtype} "
+                         f"blocks for k {k}, got {w.dtype} {tuple(w.shape)}")
+    return row_bytes
+
+
+def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
+             y: torch.Tensor, mode: int, kernel: int) -> None:
+    """y [M, n] (as mode says: native.Y_*) of x [M, k] bfloat16 and w, the [n, k] weight in
+    GGUF blocks of qtype (uint8 [n, row_bytes], contiguous) (+ bias float32 [n])."""
+    _rows(x, "x", torch.bfloat16, k)
+    row_bytes = _blocks(w, qtype, n, k)
+    if bias is not None:
+        _vector(bias, "bias", torch.float32, n)
+    dtype = Y_MODES.get(mode)
+    if dtype is None:
+        raise ValueError(f"mode must be one of native.Y_*, got {mode}")
+    _rows(y, "y", dtype, n)
+    m = int(x.shape[0])
+    if y.shape[0] != m:
+        raise ValueError(f"y must have {m} rows (x's), got {y.shape[0]}")
+    if m:
+        native.q_linear_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
+                            0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
+                            kernel, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())

@@ -46,13 +46,15 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from mashbox.model.attention_plan import AttentionPlan
+from mashbox.model.block_weight import BlockWeight
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
+from mashbox import native
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
 from mashbox.model.kernels import Kernels
@@ -60,7 +62,7 @@ from mashbox.model.kv_cache import KVCache
 from mashbox.model import linear
 from mashbox.model.layer_loop import CLayers, Layer, PythonLayers, Step, StepLimits
 from mashbox.model.linear import (INT4_GROUP, BF16Linear, Int4Weight, Int8Weight, Linear, OneDNNLinear,
-                                  TorchLinear)
+                                  QuantLinear, TorchLinear)
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
@@ -97,8 +99,8 @@ class Batch:
         )
 
 
-WEIGHT_FORMATS = ("dense", "int8", "int4")
-_HEAD_FORMAT = {"dense": "dense", "int8": "int8", "int4": "dense"}  # the head: GGUF keeps it in 8 bits or more (Q8_0, Q6_K)
+WEIGHT_FORMATS = ("dense", "int8", "int4", "gguf")
+_HEAD_FORMAT = {"dense": "dense", "int8": "int8", "int4": "dense", "gguf": "gguf"}  # the head: GGUF keeps it in 8 bits or more (Q8_0, Q6_K)
 
 
 @dataclass(slots=True)
@@ -129,6 +131,8 @@ class Decoder:
         self._packed = _packs_linears(self.device, dtype)
         if weights != "dense" and not (dtype == torch.bfloat16 and self._packed):
             raise ModelError(f"weights {weights} needs bfloat16 on a CPU with oneDNN")
+        if weights == "gguf" and not native.NATIVE:
+            raise ModelError("weights gguf needs the C extension (mashbox._native), which is not built")
         self.weights = weights
         self.config = config
         self.batch_invariant = (self.device.type == "cpu") if batch_invariant is None else batch_invariant
@@ -139,7 +143,7 @@ class Decoder:
         # (with int8 / int4 weights only the output head is dense; the int kernels keep
         # their padding rows)
         self._min_rows = _MIN_ROWS.get(dtype, 1)
-        if self.kernels.linears == "csrc" and weights == "dense":
+        if self.kernels.linears == "csrc" and weights in ("dense", "gguf"):
             self._min_rows = 1
         self.layers = self._linears(parts, weights)
         self._rope: Optional[RopeTable] = None
@@ -151,22 +155,27 @@ class Decoder:
         python = PythonLayers(config, self.layers, self.ops, dtype, self.device, padded)
         self.loop = (CLayers(config, self.layers, python, self.kernels.kernel, min(limits.decode_rows, limits.tokens))
                      if self.kernels.layers == "c" else python)
-        self._logits = self._logits_f32 if isinstance(self.lm_head, BF16Linear) else self._logits_cast
+        self._logits = self._logits_f32 if isinstance(self.lm_head, (BF16Linear, QuantLinear)) else self._logits_cast
 
     def _take(self, c: ModelConfig, tensors: dict[str, torch.Tensor]) -> list[_Parts]:
         take = _Taker(tensors, self.dtype, self.device)
-        self.embed: Optional[torch.Tensor] = take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+        self.embed: Union[torch.Tensor, BlockWeight, None] = take("model.embed_tokens.weight",
+                                                                  (c.vocab_size, c.hidden_size))
         self._head = (self.embed if c.tie_word_embeddings
                       else take("lm_head.weight", (c.vocab_size, c.hidden_size)))
+        if isinstance(self.embed, BlockWeight) and not c.tie_word_embeddings:
+            # its rows are dequantized on lookup (a gather of T rows a step); a copy of its
+            # blocks, so the file mapping is not kept alive for it
+            self.embed = BlockWeight(self.embed.type_name, self.embed.raw.clone(), self.embed.shape)
         self.norm = take("model.norm.weight", (c.hidden_size,))
         qkv_rows = c.q_size + 2 * c.kv_size
         parts: list[_Parts] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = fuse([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
-                        take(a + "k_proj.weight", (c.kv_size, c.hidden_size)),
-                        take(a + "v_proj.weight", (c.kv_size, c.hidden_size))])
+            qkv = self._fuse([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
+                              take(a + "k_proj.weight", (c.kv_size, c.hidden_size)),
+                              take(a + "v_proj.weight", (c.kv_size, c.hidden_size))])
             qkv_bias = None
             if c.attention_bias:
                 qkv_bias = fuse([take(a + "q_proj.bias", (c.q_size,)),
@@ -177,17 +186,25 @@ class Decoder:
                 qk_norm = torch.cat([take(a + "q_norm.weight", (c.head_dim,)).expand(c.num_heads, -1),
                                      take(a + "k_norm.weight", (c.head_dim,)).expand(c.num_kv_heads, -1)])
             m = p + "mlp."
-            gate_up = fuse([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                            take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
+            gate_up = self._fuse([take(m + "gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                                  take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             parts.append(_Parts(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                qkv=qkv.reshape(qkv_rows, c.hidden_size), qkv_bias=qkv_bias, qk_norm=qk_norm,
+                qkv=qkv if isinstance(qkv, BlockWeight) else qkv.reshape(qkv_rows, c.hidden_size),
+                qkv_bias=qkv_bias, qk_norm=qk_norm,
                 o=take(a + "o_proj.weight", (c.hidden_size, c.q_size)),
                 o_bias=take.optional(a + "o_proj.bias", (c.hidden_size,)),
                 post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
                 gate_up=gate_up, down=take(m + "down_proj.weight", (c.hidden_size, c.intermediate_size))))
         take.finish()
         return parts
+
+    def _fuse(self, parts: list) -> Union[torch.Tensor, BlockWeight]:
+        """Parts of a fused weight: their blocks stacked where all are blocks of one type
+        (weights "gguf"), else dense (a part in blocks dequantized: another type beside it)."""
+        if all(isinstance(p, BlockWeight) for p in parts) and len({p.type_name for p in parts}) == 1:
+            return BlockWeight.cat(parts)
+        return fuse([p.dequantize(self.dtype, self.device) if isinstance(p, BlockWeight) else p for p in parts])
 
     def _linears(self, parts: list[_Parts], weights: str) -> list[Layer]:
         """Every linear weight in the form self.kernels says, made once (model/linear.py).
@@ -199,17 +216,25 @@ class Decoder:
         bfloat16; float32 F.linear would take MKL, whose bits differ); a tied head gets a
         packed copy, the embedding keeps the plain layout for its row gather.
 
+        weights "gguf": a weight still in the file's blocks (BlockWeight) becomes a
+        QuantLinear, its blocks copied into the same arena; the others (dense types, or
+        block types csrc does not read yet) stay BF16Linear.
+
         weights (opt-in "int8" / "int4"): weight-only int8 per row or int4 per group of 32
         instead (other logits than dense, still batch invariant); a weight whose input
         size the int4 groups do not divide stays dense."""
         kind, kernel = self.kernels.linears, self.kernels.kernel
         arena = None
-        if kind == "csrc" and weights == "dense":
+        if kind == "csrc" and weights in ("dense", "gguf"):
             order = [w for p in parts for w in (p.qkv, p.o, p.gate_up, p.down)] + [self._head]
             arena = linear.WeightArena(linear.arena_bytes(
-                [BF16Linear.packed_bytes(w) for w in order if BF16Linear.supports(w)]))
+                [w.nbytes if isinstance(w, BlockWeight) else BF16Linear.packed_bytes(w)
+                 for w in order if isinstance(w, BlockWeight) or BF16Linear.supports(w)]))
 
-        def make(w: torch.Tensor, fmt: str, bias: Optional[torch.Tensor] = None) -> Linear:
+        def make(w: Union[torch.Tensor, BlockWeight], fmt: str, bias: Optional[torch.Tensor] = None) -> Linear:
+            if isinstance(w, BlockWeight):
+                into = None if arena is None else arena.take(w.nbytes)
+                return QuantLinear(w, bias, kernel=kernel or None, into=into)
             if fmt == "int4" and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 8 == 0:
                 return Int4Weight.of(w, bias)
             if fmt == "int8":
@@ -231,7 +256,7 @@ class Decoder:
         del p
         self.lm_head: Linear = make(self._head, _HEAD_FORMAT[weights])
         del self._head
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, BF16Linear):
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, (BF16Linear, QuantLinear)):
             # the embedding's rows come out of the packed head (BF16Linear.rows): the
             # plain copy is freed (the default model: 56 MB)
             self.embed = None
@@ -241,6 +266,8 @@ class Decoder:
         """[T] token ids -> [T, hidden] rows of the embedding."""
         if self.embed is None:
             return self.lm_head.rows(ids)
+        if isinstance(self.embed, BlockWeight):
+            return self.embed.rows(ids, self.dtype)
         return F.embedding(ids, self.embed)
 
     def _logits_f32(self, last: torch.Tensor, rows: int) -> torch.Tensor:
@@ -326,9 +353,11 @@ class _Taker:
             return None
         return self._check(name, self.tensors.pop(name), shape)
 
-    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def _check(self, name: str, t, shape: tuple[int, ...]):
         if tuple(t.shape) != tuple(shape):
             raise ModelError(f"tensor {name} has shape {tuple(t.shape)}, the config implies {tuple(shape)}")
+        if isinstance(t, BlockWeight):  # kept in its blocks (weights "gguf")
+            return t
         return t.to(device=self.device, dtype=self.dtype)
 
     def finish(self) -> None:

@@ -4,6 +4,9 @@ Rules:
 - The file is memory-mapped (copy-on-write, so torch can view it without a copy and
   without ever writing it). Each tensor is dequantized straight into the target dtype,
   one at a time; only the mapping and the finished weights stay alive.
+- With `blocks` (the loader's choice for weights "gguf"), the 2-d tensors of those
+  block types stay in the file's bytes (BlockWeight, a view of the mapping; a copy only
+  where q/k rows are permuted), for the decoder's QuantLinear.
 - Hyper-parameters come from the `{arch}.*` metadata; the flags the metadata does not
   carry are read off the tensor names (q/k norms, attention biases, a separate output
   head). llama.cpp's converter permutes the rows of q and k of `llama`-architecture files
@@ -17,12 +20,13 @@ import logging
 import os
 import re
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import numpy as np
 import torch
 
 from mashbox.model import quants
+from mashbox.model.block_weight import BlockWeight
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import FusedLayout
 from mashbox.model.model_config import GGUF_ARCHITECTURES as _ARCHES
@@ -227,10 +231,11 @@ class GGUFWeights:
     def nbytes(self) -> int:
         return sum(int(t.n_bytes) for t in self._reader.tensors)
 
-    def tensors(self, dtype: torch.dtype, device: torch.device,
-                layout: Optional[FusedLayout] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype, device: torch.device, layout: Optional[FusedLayout] = None,
+                blocks: tuple[str, ...] = ()) -> Iterator[tuple[str, Union[torch.Tensor, BlockWeight]]]:
         """Yield (HF name, tensor in `dtype` on `device`) one tensor at a time; members of
-        fused weights are written into `layout`'s buffers."""
+        fused weights are written into `layout`'s buffers. 2-d tensors whose ggml type is
+        in `blocks` come as BlockWeight instead: their quantized bytes, not dequantized."""
         cfg = self.config
         permute = cfg.arch in _PERMUTED_ARCHES
         todo = [t for t in self._reader.tensors if t.name != "rope_freqs.weight"]
@@ -252,6 +257,10 @@ class GGUFWeights:
                 perm = _unpermute_rows(heads, shape[0])
                 if len(shape) == 2:
                     raw = raw[perm]  # permutes the quantized rows: a copy of bytes, not floats
+            if len(shape) == 2 and type_name in blocks:
+                done_bytes += int(t.n_bytes)
+                yield name, BlockWeight(type_name, raw, (shape[0], shape[1]))
+                continue
             dest = layout.destination(name, tuple(shape)) if layout is not None else None
             value = quants.dequantize(raw, type_name, shape[-1], dtype, device,
                                       out=None if dest is None else dest.view(rows, shape[-1]))

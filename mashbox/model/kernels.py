@@ -9,7 +9,7 @@ Four choices, each a field; "auto" (and kernel 0) picks the fastest that runs he
   model/attention.py) or SDPA ("sdpa"); prompt rows always take SDPA.
 - layers: a step whose rows all decode on csrc's attention runs every layer in one C
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
-  ("python"). "c" needs csrc linears and attention, dense weights, no q/k norms.
+  ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
 - kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16, or
   native.KERNEL_PORTABLE: plain C on any CPU, the same bits, slow: what the tests force
   on a machine without AVX512-BF16). 0: the fastest here; "auto" takes csrc only where
@@ -62,9 +62,13 @@ class Kernels:
         csrc_linears = native.NATIVE and device.type == "cpu" and dtype == torch.bfloat16
         linears = self.linears
         if linears == "auto":
-            linears = "csrc" if csrc_linears and packs and auto_csrc else "onednn" if packs else "torch"
+            # weights "gguf" (QuantLinear) run on csrc only
+            linears = ("csrc" if csrc_linears and packs and (auto_csrc or weights == "gguf")
+                       else "onednn" if packs else "torch")
         elif linears == "csrc" and not csrc_linears:
             raise ModelError("kernels.linears csrc needs bfloat16 on the CPU with the C extension built")
+        elif linears != "csrc" and weights == "gguf":
+            raise ModelError("weights gguf runs on csrc's linears (kernels.linears csrc)")
         elif linears == "onednn" and not packs:
             raise ModelError("kernels.linears onednn needs a CPU with oneDNN's linear packing")
         csrc_attention = attention.supported(config, dtype, device)
@@ -77,12 +81,12 @@ class Kernels:
                              f"{attention.MAX_GROUP} query heads per K/V head")
         c = config
         even = all(k % 2 == 0 for k in (c.hidden_size, c.q_size, c.intermediate_size))  # every linear's input size
-        in_c = linears == "csrc" and att == "csrc" and weights == "dense" and not c.qk_norm and even
+        in_c = linears == "csrc" and att == "csrc" and weights in ("dense", "gguf") and not c.qk_norm and even
         layers = self.layers
         if layers == "auto":
             layers = "c" if in_c else "python"
         elif layers == "c" and not in_c:
-            raise ModelError("kernels.layers c needs csrc linears and attention, dense weights, no q/k norms "
+            raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
         uses_csrc = linears == "csrc" or att == "csrc"
         return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mashbox.model import csrc
 from mashbox.model.attention_plan import AttentionPlan
 from mashbox.model.kv_cache import KVCache
-from mashbox.model.linear import BF16Linear, Linear
+from mashbox.model.linear import BF16Linear, Linear, QuantLinear
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
@@ -126,12 +126,17 @@ class CLayers:
         entries = []
         for layer in layers:
             ws = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if layer.qk_norm is not None or not all(isinstance(w, BF16Linear) for w in ws):
-                raise ValueError("CLayers takes csrc linears (BF16Linear) and no q/k norms")
+            if layer.qk_norm is not None or not all(isinstance(w, (BF16Linear, QuantLinear)) for w in ws):
+                raise ValueError("CLayers takes csrc linears (BF16Linear, QuantLinear) and no q/k norms")
             layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
-            entries.append(dict(input_norm=layer.input_norm, post_norm=layer.post_norm,
-                                qkv=layer.qkv.packed, o=layer.o.packed, gate_up=layer.gate_up.packed,
-                                down=layer.down.packed, qkv_bias=layer.qkv.bias, o_bias=layer.o.bias))
+            entry = dict(input_norm=layer.input_norm, post_norm=layer.post_norm, qkv_bias=layer.qkv.bias,
+                         o_bias=layer.o.bias)
+            for name, w in zip(("qkv", "o", "gate_up", "down"), ws):
+                if isinstance(w, QuantLinear):  # GGUF blocks: mb_q_linear (csrc/quant.c)
+                    entry[name], entry[name + "_type"] = w.blocks, w.qtype
+                else:
+                    entry[name] = w.packed
+            entries.append(entry)
         self.table = csrc.LayerTable(entries, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                      c.intermediate_size)
         self.max_rows = max_rows

@@ -11,6 +11,9 @@
   weight once per call for up to 8 rows at a time. Runs on torch's own OpenMP threads
   (libgomp's GOMP_parallel, found in the process), so no second thread pool competes for
   the cores. add_into adds in place, rounded once.
+- QuantLinear: a GGUF weight kept in its file's quantized blocks (model/block_weight.py),
+  on csrc's mb_q_linear (csrc/quant.c): the same calls, the same batch invariance, a
+  fraction of the bytes per step; activations stay exact bfloat16.
 - OneDNNLinear: the weight reordered once into oneDNN's blocked layout (a CPU with
   oneDNN): in bfloat16 each output bit-identical to F.linear's.
 - TorchLinear: plain F.linear (CUDA, or a CPU without oneDNN).
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 from mashbox import native
 from mashbox.model import csrc
+from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 from mashbox.model.csrc import parallel  # noqa: F401  (re-exported: the kernels' thread pool)
 
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
@@ -99,6 +103,51 @@ class BF16Linear:
         if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
             x = x.to(torch.bfloat16).contiguous()
         csrc.linear(x, self.packed, self.n, self.k, self.bias, y, mode, self.kernel)
+
+
+class QuantLinear:
+    """A [out, in] weight in GGUF blocks (copied once, into the arena when given) and its
+    float32 bias, for mb_q_linear."""
+
+    __slots__ = ("n", "k", "qtype", "blocks", "bias", "kernel")
+
+    def __init__(self, w: BlockWeight, bias: Optional[torch.Tensor] = None, kernel: Optional[int] = None,
+                 into: Optional[torch.Tensor] = None) -> None:
+        """into: where the blocks go (w.nbytes bytes of a WeightArena), else a copy of its own."""
+        csrc.parallel()
+        self.n, self.k = w.shape
+        self.qtype = w.qtype
+        if into is not None:
+            if into.numel() != w.nbytes:
+                raise ValueError(f"QuantLinear: `into` holds {into.numel()} bytes, the blocks take {w.nbytes}")
+            self.blocks = into.view(w.raw.shape)  # uint8 [out, row_bytes]
+            self.blocks.copy_(w.raw)
+        else:
+            self.blocks = w.raw.contiguous().clone()
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
+        self.kernel = native.bf16_kernel() if kernel is None else kernel
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        self._run(x, y, native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16)
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows ids [T] dequantized, [T, in] bfloat16: a tied embedding's lookup."""
+        name = next(k for k, v in GGML_TYPES.items() if v == self.qtype)
+        return BlockWeight(name, self.blocks, (self.n, self.k)).rows(ids.to(torch.int64), torch.bfloat16)
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
+        if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):
+            raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {self.n}] y")
+        self._run(x, y, native.Y_ADD_BF16)
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int) -> None:
+        if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+            x = x.to(torch.bfloat16).contiguous()
+        csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x, self.bias, y, mode, self.kernel)
 
 
 class OneDNNLinear:
@@ -181,7 +230,7 @@ class Int4Weight:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 
-Linear = Union[BF16Linear, OneDNNLinear, TorchLinear, Int8Weight, Int4Weight]
+Linear = Union[BF16Linear, QuantLinear, OneDNNLinear, TorchLinear, Int8Weight, Int4Weight]
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES = True  # a switch for benchmarks: the arena asks for transparent huge pages

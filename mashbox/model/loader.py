@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mashbox.model.block_weight import KERNEL_TYPES
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import FusedLayout
 from mashbox.model.gguf_weights import GGUFWeights
@@ -34,7 +35,7 @@ _SAFETENSORS_BITS = {"F32": 32, "F16": 16, "BF16": 16, "F64": 64}
 @dataclass
 class LoadedWeights:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names -> weights in the requested dtype/device
+    tensors: dict[str, torch.Tensor]  # HF names -> weights in the requested dtype/device (or BlockWeight)
     weights_file: str  # the .gguf file, or the folder's safetensors (index) file
     bpw: float  # bits per weight as stored in the file
 
@@ -50,13 +51,16 @@ def read_config(path: str) -> ModelConfig:
     return ModelConfig.from_hf(_read_json(_hf_file(path, "config.json")))
 
 
-def load(path: str, dtype: torch.dtype, device: torch.device) -> LoadedWeights:
+def load(path: str, dtype: torch.dtype, device: torch.device, blocks: bool = False) -> LoadedWeights:
+    """blocks: a GGUF's 2-d tensors of the types csrc's kernels read (block_weight.
+    KERNEL_TYPES) come as BlockWeight, kept in the file's blocks; other types (the
+    K-quants until csrc/kquant.c is built in) are dequantized as before."""
     if is_gguf(path):
         weights = GGUFWeights(path)
         tensors: dict[str, torch.Tensor] = {}
         with torch.inference_mode(False), torch.no_grad():
             layout = FusedLayout(weights.config, dtype, device)
-            for name, value in weights.tensors(dtype, device, layout):
+            for name, value in weights.tensors(dtype, device, layout, KERNEL_TYPES if blocks else ()):
                 tensors[name] = value
         _drop_tied_head(weights.config, tensors)
         return LoadedWeights(weights.config, tensors, path, weights.bits_per_weight)

@@ -1,0 +1,169 @@
+"""GGUF weights kept in their blocks at a real model's size, side by side with llama.cpp.
+
+For each file (default: random-weight GGUFs of SmolLM2-1.7B's shape in Q8_0 and
+Q4_K_M-like form, written once by /work/shared/tools/make_big_gguf.py into --big), one
+child process per file loads it as the server would (weights auto: the file's own blocks
+where csrc reads them, the rest dequantized) and measures, in the same run:
+
+- batch-1 decode and batch-8 aggregate tokens/s (benchmarks/decode.py's decode_rate:
+  only steps where every row decodes are timed), and a 512-token prefill (one request,
+  one step of --prefill tokens);
+- the machine's read bandwidth (a sum over a large bfloat16 tensor, decode.py's
+  read_bandwidth), and the bound it sets: read bandwidth / bytes the step reads (every
+  linear's blocks once, the embedding's rows aside);
+- resident memory: the process's RSS growth over the load (less the KV cache, which
+  is zeroed at start; the tokenizer and runtime stay in it) against the file's tensor
+  bytes, and the decoder's own weight bytes;
+- with LLAMA_BENCH=/path/to/llama-bench: llama.cpp's tg (decode, batch 1) and pp
+  (prefill) on the same file with -t THREADS, and mashbox's ratios to them.
+
+The `quant:` line per file is the result:
+
+    quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>) | b8 <tok/s> (<r>x b1) |
+           pp<N> <tok/s> | rss <MB> / tensors <MB> (<r>x) | llama.cpp tg <..> pp <..> |
+           b1 <r>x llama.cpp, pp <r>x
+
+The load average is printed beside every figure: on a shared machine only the ratios
+measured in one quiet run mean anything.
+
+Usage: python benchmarks/quant.py [FILE.gguf ...] [--big /work/big] [--tokens 32]
+       [--prefill 512] [--threads 2] [--repeat 2]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+MAKE_BIG = "/work/shared/tools/make_big_gguf.py"
+FILES = {"Q8_0": "smollm2-1.7b-q8_0.gguf", "Q4_K_M": "smollm2-1.7b-q4_k_m.gguf"}
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _ensure(big: str, kind: str) -> str:
+    """The big file of `kind`, written once (make_big_gguf.py) when it is not there."""
+    path = os.path.join(big, FILES[kind])
+    if not os.path.exists(path):
+        from mashbox import registry
+
+        os.makedirs(big, exist_ok=True)
+        src = str(registry.pull(registry.DEFAULT_MODEL_ID, quiet=True))
+        print(f"writing {path} ({kind}) with {MAKE_BIG} ...", flush=True)
+        subprocess.run([sys.executable, MAKE_BIG, src, path + ".part", "--type", kind], check=True)
+        os.replace(path + ".part", path)
+    return path
+
+
+def _prefill_rate(engine, tokens: int, tag: str) -> float:
+    """Prompt tokens/s of one request of `tokens` tokens (one step at prefill_chunk >= tokens)."""
+    from mashbox.config import GenerationRequest, SamplingParams
+
+    ids = (list(range(1000, 1000 + tokens)))  # any ids: speed does not depend on them
+    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=tuple(ids),
+                                    sampling=SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True))
+    t0 = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return tokens / (time.perf_counter() - t0)
+
+
+def measure(path: str, tokens: int, prefill: int, threads: int, repeat: int) -> dict:
+    """One file in this process: what the `quant:` line reports, as a dict."""
+
+    from benchmarks.decode import ForwardTimer, decode_rate, read_bandwidth
+    from mashbox.config import EngineConfig
+    from mashbox.engine.worker import Engine
+    from mashbox.model.gguf_weights import GGUFWeights
+
+    tensor_bytes = GGUFWeights(path).nbytes
+    rss0 = _rss()
+    engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16),
+                                 threads=threads, prefill_chunk=max(512, prefill)))
+    gc.collect()
+    r = engine.runner
+    kv_bytes = sum(t.numel() * t.element_size() for t in (r.cache.k, r.cache.v))
+    rss1 = _rss() - kv_bytes  # the KV cache is zeroed (touched) at start; not a weight
+    ForwardTimer(r.decoder)
+    decode_rate(engine, 1, 4, "warm")
+    b1 = b8 = pp = bw = 0.0
+    loads = []
+    for i in range(repeat):  # the best round of each: other load only ever slows one down
+        bw = max(bw, read_bandwidth())
+        b1 = max(b1, decode_rate(engine, 1, tokens, f"b1r{i}")[0])
+        b8 = max(b8, decode_rate(engine, 8, tokens, f"b8r{i}")[0])
+        pp = max(pp, _prefill_rate(engine, prefill, f"ppr{i}"))
+        loads.append(os.getloadavg()[0])
+    return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, read_bw=bw,
+                read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
+                tensor_bytes=tensor_bytes, load=max(loads))
+
+
+def llama_bench(binary: str, path: str, tokens: int, prefill: int, threads: int) -> tuple[float, float]:
+    """(tg tokens/s, pp tokens/s) of llama-bench on the file."""
+    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(tokens),
+                          "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    tg = pp = 0.0
+    for row in json.loads(out):
+        if row.get("n_gen", 0) > 0:
+            tg = float(row["avg_ts"])
+        elif row.get("n_prompt", 0) > 0:
+            pp = float(row["avg_ts"])
+    return tg, pp
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("files", nargs="*", help="GGUF files (default: the Q8_0 and Q4_K_M big files under --big)")
+    ap.add_argument("--big", default="/work/big", help="where the default files are written once and reused")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per request (llama-bench -n)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill (llama-bench -p)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for both (llama-bench -t)")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds; the best of each figure counts")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one file, a JSON line out
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(measure(args.one, args.tokens, args.prefill, args.threads, args.repeat)))
+        return 0
+    files = args.files or [_ensure(args.big, kind) for kind in FILES]
+    bench = os.environ.get("LLAMA_BENCH")
+    for path in files:
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, "--tokens",
+                                str(args.tokens), "--prefill", str(args.prefill), "--threads", str(args.threads),
+                                "--repeat", str(args.repeat)], capture_output=True, text=True)
+        lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
+        if child.returncode or not lines:
+            print(f"quant: {path} failed (exit {child.returncode}):\n{child.stderr[-2000:]}")
+            continue
+        m = json.loads(lines[-1][len("RESULT "):])
+        bound = m["read_bw"] / m["read_bytes"]
+        line = (f"quant: {os.path.basename(path)} (weights {m['weights']}) b1 {m['b1']:.1f} tok/s "
+                f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
+                f"{m['read_bytes'] / 1e6:.0f} MB a step) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1) | "
+                f"pp{m['prefill']} {m['pp']:.1f} tok/s | rss {m['rss'] / 1e6:.0f} MB, weights "
+                f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
+                f"({m['rss'] / m['tensor_bytes']:.2f}x) | load {m['load']:.1f}")
+        if bench:
+            tg, pp = llama_bench(bench, path, args.tokens, args.prefill, args.threads)
+            line += (f" | llama.cpp tg{args.tokens} {tg:.1f} pp{args.prefill} {pp:.1f} (load "
+                     f"{os.getloadavg()[0]:.1f}) | b1 {m['b1'] / tg:.2f}x llama.cpp, pp {m['pp'] / pp:.2f}x")
+        print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

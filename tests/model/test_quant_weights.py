@@ -1,0 +1,115 @@
+"""weights "gguf": a GGUF's linears kept in the file's quantized blocks (QuantLinear on
+csrc/quant.c) instead of dequantized to bfloat16. On tiny random models written as GGUF
+files: the loader hands blocks over, the decoder runs every linear on them, logits stay
+batch invariant (every schedule of decoder_invariance) and near the dense decoder's on
+the same file; block types csrc does not read yet (K-quants, until csrc/kquant.c is built
+in) load dequantized, as before. The default model: test_quant_default_model.py."""
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+from test_decoder_invariance import _check_schedules
+from test_model_gguf import _write_gguf
+from tiny import make_tiny, reference
+
+from mashbox import native
+from mashbox.model import block_weight, linear, loader
+from mashbox.model.decoder import Batch, Decoder
+from mashbox.model.kernels import Kernels
+from mashbox.model.kv_cache import KVCache
+
+CPU = torch.device("cpu")
+KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
+KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+Q = gguf.GGMLQuantizationType
+
+
+def _gguf(tmp_path, variant: str, qtype) -> str:
+    path = str(tmp_path / f"{variant}-{qtype.name}.gguf")
+    _write_gguf(reference(make_tiny(tmp_path, variant)), "llama" if variant.startswith("llama") else "qwen2",
+                path, qtype)
+    return path
+
+
+def _decoders(path: str, kernel: int) -> tuple[Decoder, Decoder]:
+    """(blocks, dense) decoders of one file, bfloat16."""
+    w = loader.load(path, torch.bfloat16, CPU, blocks=True)
+    quant = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf", kernels=Kernels(kernel=kernel))
+    w = loader.load(path, torch.bfloat16, CPU)
+    dense = Decoder(w.config, w.tensors, torch.bfloat16, CPU, kernels=Kernels(kernel=kernel))
+    return quant, dense
+
+
+def _last_logits(decoder: Decoder, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(decoder.config, slots=1, ctx=64, dtype=torch.bfloat16, device=CPU)
+    return decoder(Batch.build([(0, 0, ids)]), cache)[0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+@pytest.mark.parametrize("variant, qtype", [("llama_tied", Q.Q4_1), ("llama", Q.Q8_0), ("qwen2", Q.Q4_0),
+                                            ("qwen2", Q.Q5_0), ("llama", Q.Q5_1)])
+def test_blocks_run_every_linear_batch_invariant_near_dense(tmp_path, variant, qtype, kernel):
+    path = _gguf(tmp_path, variant, qtype)
+    quant, dense = _decoders(path, kernel)
+    for layer in quant.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert isinstance(w, linear.QuantLinear) and w.qtype == int(qtype)
+    assert isinstance(quant.lm_head, linear.QuantLinear)
+    assert quant.embed is None or isinstance(quant.embed, block_weight.BlockWeight)  # rows on lookup
+    vocab = quant.config.vocab_size
+    prompt = torch.randint(0, vocab, (19,), generator=torch.Generator().manual_seed(7)).tolist()
+    _check_schedules(quant, prompt, 64, vocab)
+    got, want = _last_logits(quant, prompt), _last_logits(dense, prompt)
+    assert not torch.equal(got, want), "the blocks are in use, not the dense weights"
+    # the same weights, other roundings (dense rounds each weight to bfloat16)
+    assert (got - want).abs().max() < 0.05 * want.abs().max() + 0.05
+
+
+def test_k_quant_tensors_load_dequantized_until_their_kernel_is_built_in(tmp_path):
+    w = loader.load(_gguf(tmp_path, "llama", Q.Q8_0), torch.bfloat16, CPU, blocks=True)
+    assert all(isinstance(t, block_weight.BlockWeight) for t in w.tensors.values() if len(t.shape) == 2)
+    # a file whose types the kernels do not read: the same tensors, dense (what the K-quants
+    # get while block_weight.KERNEL_TYPES lacks them)
+    w16 = loader.load(_gguf(tmp_path, "llama", Q.F16), torch.bfloat16, CPU, blocks=True)
+    assert not any(isinstance(t, block_weight.BlockWeight) for t in w16.tensors.values())
+    decoder = Decoder(w16.config, w16.tensors, torch.bfloat16, CPU, weights="gguf")
+    assert isinstance(decoder.layers[0].qkv, linear.BF16Linear)
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        assert (name in block_weight.KERNEL_TYPES) == native.q_supported(block_weight.GGML_TYPES[name])
+
+
+def test_parts_of_other_types_fuse_dense(tmp_path):
+    """q|k|v with v in another block type than q and k: the fused weight is dequantized
+    (one linear needs one type); the rest stays in blocks."""
+    w = loader.load(_gguf(tmp_path, "llama", Q.Q8_0), torch.bfloat16, CPU, blocks=True)
+    name = "model.layers.0.self_attn.v_proj.weight"
+    v = w.tensors[name]
+    dense_v = v.dequantize(torch.float32, CPU).numpy()
+    raw = gguf.quants.quantize(dense_v, Q.Q4_1)
+    w.tensors[name] = block_weight.BlockWeight("Q4_1", torch.from_numpy(raw), v.shape)
+    decoder = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf")
+    assert isinstance(decoder.layers[0].qkv, linear.BF16Linear)
+    assert isinstance(decoder.layers[1].qkv, linear.QuantLinear)
+    assert isinstance(decoder.layers[0].gate_up, linear.QuantLinear)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel):
+    """Decode steps on blocks run every layer in one C call (csrc/layers.c, the linears'
+    *_type): the same bits as PythonLayers' calls one by one."""
+    path = _gguf(tmp_path, "llama", Q.Q4_1)
+    decoders = []
+    for layers in ("c", "python"):
+        w = loader.load(path, torch.bfloat16, CPU, blocks=True)
+        decoders.append(Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
+                                kernels=Kernels(kernel=kernel, attention="csrc", layers=layers)))
+    assert decoders[0].kernels.layers == "c" and decoders[1].kernels.layers == "python"
+    outs = []
+    for d in decoders:
+        cache = KVCache(d.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
+        d(Batch.build([(s, 0, [3 + s, 5, 7, 11]) for s in range(3)]), cache)
+        steps = [d(Batch.build([(s, 4 + i, [13 + i + s]) for s in range(3)], decode=(True,) * 3), cache)
+                 for i in range(3)]
+        outs.append(torch.stack(steps))
+    assert torch.equal(outs[0], outs[1])
