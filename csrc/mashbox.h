@@ -185,4 +185,23 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
                           uint16_t *scratch, int64_t scratch_len, int32_t kernel, void *parallel,
                           int32_t threads);
 
+/* GGUF block types, ggml's numbers (gguf.GGMLQuantizationType) */
+#define MB_GGML_Q4_0 2
+#define MB_GGML_Q4_1 3
+#define MB_GGML_Q5_0 6
+#define MB_GGML_Q5_1 7
+#define MB_GGML_Q8_0 8
+#define MB_GGML_Q4_K 12
+#define MB_GGML_Q5_K 13
+#define MB_GGML_Q6_K 14
+
+/* K-quant linear layers (csrc/kquant.c states the arithmetic): y[r, c] = x[r, :k] .
+ * dequant(w row c) (+ bias[c]) for r < m, c < n; type MB_GGML_Q4_K, Q5_K or Q6_K; w: n
+ * rows row_bytes apart, each k / 256 blocks in ggml's layout (the file's bytes); x, bias,
+ * y, y_mode, ldy, kernel, parallel, threads as mb_bf16_linear's. MB_EINVAL for another
+ * type, k not a multiple of 256, row_bytes under k / 256 blocks, or a bad size. */
+int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
+
 #endif /* MASHBOX_H */

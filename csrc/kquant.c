@@ -1,0 +1,419 @@
+/* K-quant linear layers: y[r, c] = x[r, :k] . dequant(w row c) (+ bias[c]) on GGUF's
+ * Q4_K, Q5_K and Q6_K blocks as the file holds them (ggml's layout, untouched).
+ *
+ * Why it exists: a Q4_K_M model dequantized to bfloat16 reads 3.4x the bytes per decode
+ * step; reading the blocks themselves is the only way past the bfloat16 bound.
+ *
+ * Blocks (256 weights each, "super-blocks"; d, dmin float16):
+ *   Q4_K (144 B): d, dmin, 12 B of eight 6-bit scales sc and mins mn, 128 B of 4-bit q;
+ *                 w = d*sc[j] * q - dmin*mn[j] for the 32 weights of sub-block j.
+ *   Q5_K (176 B): as Q4_K plus 32 B holding each q's fifth bit (q in 0..31).
+ *   Q6_K (210 B): 128 B low 4 bits, 64 B high 2 bits, sixteen int8 scales, d;
+ *                 w = d*sc[j] * (q - 32) for the 16 weights of sub-block j.
+ *
+ * The arithmetic (mashbox/native_ref.py's kq_linear states it in numpy; the tests compare
+ * bits). Each output is 16 float32 lanes; lane l of chunk t (weights 32t .. 32t+31 of a
+ * block) takes the pair (2l, 2l+1):
+ *     P = (+0 + x[2l+1] * q[2l+1]) + x[2l] * q[2l]           (vdpbf16ps from zero)
+ *     A[l] = A[l] + s * P                                   (s = d*sc of the lane's sub-block)
+ * q are the block's small integers (q - 32 for Q6_K), exact in bfloat16, so each product
+ * is exact; s = float(d) * sc is exact in float32. The mins (Q4_K, Q5_K) are integers
+ * below 64, exact in bfloat16 too, so per block, chunk after chunk, in the same pairs:
+ *     M[l] = (M[l] + x[2l+1] * mn[j]) + x[2l] * mn[j]      (vdpbf16ps, M from 0 per block)
+ *     N[l] = N[l] + float(dmin) * M[l]                      (after the block's 8 chunks)
+ * Blocks in order. Then out = sum16(A) - sum16(N) (Q6_K: sum16(A)), sum16 adding lane l
+ * and l+8, then l and l+4, l and l+2, l and l+1; then + bias; then y as mb_bf16_linear
+ * writes it. Denormal inputs and dpbf16 sums are zero, as in csrc/linear.c; the rule's
+ * limits are linear.c's (products that leave float32's normal range, a zero's sign).
+ *
+ * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
+ * and y, never on m, its neighbours or the threads. Rows go in groups of up to
+ * MB_KQ_ROWS: the AVX-512 path decodes each block once per group and applies it to all
+ * the group's rows. Work items (a row group x MB_KQ_TILE outputs) are handed out to the
+ * caller's OpenMP pool as csrc/linear.c does.
+ */
+#include "mashbox.h"
+#include "bf16.h"
+
+#include <string.h>
+
+#define MB_QK 256       /* weights per block */
+#define MB_KQ_ROWS 16   /* rows per group: each block is decoded once for all of them */
+#define MB_KQ_TILE 16   /* outputs per work item */
+
+struct mb_kq_job {
+    int32_t type;
+    const uint8_t *w;
+    int64_t row_bytes;
+    int32_t n, k, blocks;
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t m;
+    const float *bias;
+    void *y;
+    int32_t y_mode;
+    int64_t ldy;
+    int32_t tiles, groups;
+    int64_t items;
+    int64_t next; /* the next work item: atomically advanced */
+    int64_t threads;
+    void (*run)(const struct mb_kq_job *, int32_t r0, int32_t rows, int32_t c0, int32_t c1);
+};
+
+static int64_t mb_kq_block_bytes(int32_t type) {
+    switch (type) {
+    case MB_GGML_Q4_K: return 144;
+    case MB_GGML_Q5_K: return 176;
+    case MB_GGML_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static float mb_f16_f32(const uint8_t *p) { /* IEEE half (little-endian) -> float, exact */
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (e == 0) { /* zero or subnormal: mant * 2^-24 */
+        float v = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    if (e == 31)
+        return mb_bits_f32(sign | 0x7f800000u | (mant << 13));
+    return mb_bits_f32(sign | ((e + 112u) << 23) | (mant << 13));
+}
+
+/* Q4_K / Q5_K: d*sc[j] (exact), the mins as bfloat16 bit pairs (an integer < 64), dmin */
+static void mb_kq_scales(const uint8_t *blk, float dsc[8], uint32_t mpair[8], float *dmin) {
+    float d = mb_f16_f32(blk);
+    *dmin = mb_f16_f32(blk + 2);
+    const uint8_t *s = blk + 4;
+    for (int j = 0; j < 8; j++) {
+        uint32_t sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63u, mn = s[j + 4] & 63u;
+        } else {
+            sc = (s[j + 4] & 0xfu) | ((uint32_t)(s[j - 4] >> 6) << 4);
+            mn = (uint32_t)(s[j + 4] >> 4) | ((uint32_t)(s[j] >> 6) << 4);
+        }
+        dsc[j] = d * (float)sc;
+        uint32_t b = mb_f32_bits((float)mn) >> 16;
+        mpair[j] = b | (b << 16);
+    }
+}
+
+static float mb_sum16(const float *v) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; i++)
+        b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
+    if (j->bias)
+        acc = acc + j->bias[c];
+    size_t at = (size_t)r * j->ldy + c;
+    if (j->y_mode == MB_Y_F32)
+        ((float *)j->y)[at] = acc;
+    else if (j->y_mode == MB_Y_ADD_BF16)
+        ((uint16_t *)j->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)j->y)[at]) + acc);
+    else
+        ((uint16_t *)j->y)[at] = mb_round_bf16(acc);
+}
+
+/* ---- portable path: the rule, one output at a time ---- */
+
+/* One block's integers q[256] in weight order, the lane scales s[chunk][lane], and for
+ * Q4_K / Q5_K the mins (as floats: exact) and dmin; returns whether mins apply. */
+static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float s[8][16],
+                        float mn[8], float *dmin) {
+    if (type == MB_GGML_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = mb_f16_f32(blk + 208);
+        for (int h = 0; h < 2; h++)
+            for (int v = 0; v < 128; v++) { /* v = 32 * part + i */
+                int part = v / 32, i = v % 32;
+                int lo = (ql[64 * h + 32 * (part & 1) + i] >> (4 * (part >> 1))) & 0xf;
+                int hi = (qh[32 * h + i] >> (2 * part)) & 3;
+                q[128 * h + v] = (float)((lo | (hi << 4)) - 32);
+            }
+        for (int t = 0; t < 8; t++)
+            for (int l = 0; l < 16; l++)
+                s[t][l] = d * (float)sc[2 * t + l / 8];
+        *dmin = 0.0f;
+        return 0;
+    }
+    float dsc[8];
+    uint32_t mpair[8];
+    mb_kq_scales(blk, dsc, mpair, dmin);
+    const uint8_t *qh = blk + 16, *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
+    for (int t = 0; t < 8; t++) {
+        for (int i = 0; i < 32; i++) {
+            int v = (qs[32 * (t / 2) + i] >> (4 * (t % 2))) & 0xf;
+            if (type == MB_GGML_Q5_K)
+                v |= ((qh[i] >> t) & 1) << 4;
+            q[32 * t + i] = (float)v;
+        }
+        for (int l = 0; l < 16; l++)
+            s[t][l] = dsc[t];
+        mn[t] = mb_bf16_f32((uint16_t)mpair[t]);
+    }
+    return 1;
+}
+
+static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
+                               int32_t c1) {
+    float q[MB_QK], s[8][16], mn[8], dmin;
+    for (int32_t c = c0; c < c1; c++)
+        for (int32_t r = r0; r < r0 + rows; r++) {
+            const uint16_t *xr = j->x + (size_t)r * j->ldx;
+            float A[16] = {0}, N[16] = {0};
+            int mins = 0;
+            for (int32_t b = 0; b < j->blocks; b++) {
+                const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * mb_kq_block_bytes(j->type);
+                mins = mb_kq_decode(j->type, blk, q, s, mn, &dmin);
+                float M[16] = {0};
+                for (int t = 0; t < 8; t++)
+                    for (int l = 0; l < 16; l++) {
+                        int i = 32 * t + 2 * l;
+                        float xo = mb_flush(mb_bf16_f32(xr[(size_t)b * MB_QK + i + 1]));
+                        float xe = mb_flush(mb_bf16_f32(xr[(size_t)b * MB_QK + i]));
+                        float p = mb_flush(mb_flush(0.0f + xo * q[i + 1]) + xe * q[i]);
+                        A[l] = A[l] + s[t][l] * p;
+                        if (mins)
+                            M[l] = mb_flush(mb_flush(M[l] + xo * mn[t]) + xe * mn[t]);
+                    }
+                if (mins)
+                    for (int l = 0; l < 16; l++)
+                        N[l] = N[l] + dmin * M[l];
+            }
+            float out = mins ? mb_sum16(A) - mb_sum16(N) : mb_sum16(A);
+            mb_kq_store(j, r, c, out);
+        }
+}
+
+/* ---- AVX512-BF16 path ---- */
+
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define MB_KQ_HAVE_AVX512 1
+#include <immintrin.h>
+
+#define MB_KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* bfloat16 bits of 0 .. 31 (Q4_K, Q5_K) and of -32 .. 31 (Q6_K), indexed by q */
+static const uint16_t mb_kq_small[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8,
+    0x41b0, 0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8
+};
+static const uint16_t mb_kq_q6[64] = {
+    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0,
+    0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130,
+    0xc120, 0xc110, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000,
+    0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130,
+    0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0,
+    0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8
+};
+
+static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 a = _mm256_add_ps(lo, hi);                                          /* l + l+8 */
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* + l+4 */
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                              /* + l+2 */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));              /* + l+1 */
+}
+
+/* One output c for MR rows from r0 (MR and the type constant in each instantiation). */
+static inline __attribute__((always_inline)) MB_KQ_TARGET void
+mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR, const int type) {
+    const int mins = type != MB_GGML_Q6_K;
+    const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
+    __m512 A[MB_KQ_ROWS], N[MB_KQ_ROWS];
+    for (int r = 0; r < MR; r++)
+        A[r] = N[r] = _mm512_setzero_ps();
+    const __m512i small = _mm512_loadu_si512(mb_kq_small);
+    const __m512i q6a = _mm512_loadu_si512(mb_kq_q6), q6b = _mm512_loadu_si512(mb_kq_q6 + 32);
+    const __m512i low4 = _mm512_set1_epi16(0xf);
+    const uint8_t *row = j->w + (size_t)c * j->row_bytes;
+    for (int32_t b = 0; b < j->blocks; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        __m512bh q[8];
+        __m512 s[8];
+        __m512bh mv[8];
+        __m512 dminv = _mm512_setzero_ps();
+        if (type == MB_GGML_Q6_K) {
+            const uint8_t *ql = blk, *qh = blk + 128;
+            for (int h = 0; h < 2; h++) {
+                __m512i la = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)));
+                __m512i lb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)));
+                __m512i hw = _mm512_slli_epi16(
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * h))), 4);
+                const __m512i m30 = _mm512_set1_epi16(0x30);
+                __m512i v0 = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_and_si512(hw, m30));
+                __m512i v1 = _mm512_or_si512(_mm512_and_si512(lb, low4),
+                                             _mm512_and_si512(_mm512_srli_epi16(hw, 2), m30));
+                __m512i v2 = _mm512_or_si512(_mm512_srli_epi16(la, 4),
+                                             _mm512_and_si512(_mm512_srli_epi16(hw, 4), m30));
+                __m512i v3 = _mm512_or_si512(_mm512_srli_epi16(lb, 4),
+                                             _mm512_and_si512(_mm512_srli_epi16(hw, 6), m30));
+                q[4 * h + 0] = (__m512bh)_mm512_permutex2var_epi16(q6a, v0, q6b);
+                q[4 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(q6a, v1, q6b);
+                q[4 * h + 2] = (__m512bh)_mm512_permutex2var_epi16(q6a, v2, q6b);
+                q[4 * h + 3] = (__m512bh)_mm512_permutex2var_epi16(q6a, v3, q6b);
+            }
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
+            sc = _mm512_mul_ps(_mm512_set1_ps(mb_f16_f32(blk + 208)), sc); /* d * sc[i], exact */
+            for (int t = 0; t < 8; t++) { /* lanes 0-7: sub-block 2t, lanes 8-15: 2t + 1 */
+                __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * t), _mm256_set1_epi32(2 * t + 1), 1);
+                s[t] = _mm512_permutexvar_ps(idx, sc);
+            }
+        } else {
+            float dsc[8], dmin;
+            uint32_t mpair[8];
+            mb_kq_scales(blk, dsc, mpair, &dmin);
+            dminv = _mm512_set1_ps(dmin);
+            for (int t = 0; t < 8; t++) {
+                s[t] = _mm512_set1_ps(dsc[t]);
+                mv[t] = (__m512bh)_mm512_set1_epi32((int32_t)mpair[t]);
+            }
+            const uint8_t *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
+            __m512i hw = _mm512_setzero_si512();
+            if (type == MB_GGML_Q5_K) /* bit t of byte i: the fifth bit of q[32t + i] */
+                hw = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16))), 4);
+            const __m512i bit4 = _mm512_set1_epi16(0x10);
+            for (int h = 0; h < 4; h++) {
+                __m512i wq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)));
+                __m512i lo = _mm512_and_si512(wq, low4), hi = _mm512_srli_epi16(wq, 4);
+                if (type == MB_GGML_Q5_K) {
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h)), bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h + 1)), bit4));
+                }
+                q[2 * h] = (__m512bh)_mm512_permutexvar_epi16(lo, small);
+                q[2 * h + 1] = (__m512bh)_mm512_permutexvar_epi16(hi, small);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const uint16_t *x = j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK;
+            __m512 M = _mm512_setzero_ps();
+            for (int t = 0; t < 8; t++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 32 * t);
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv, q[t]);
+                A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[t], p));
+                if (mins)
+                    M = _mm512_dpbf16_ps(M, xv, mv[t]);
+            }
+            if (mins)
+                N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(dminv, M));
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        float out = mins ? mb_sum16_avx512(A[r]) - mb_sum16_avx512(N[r]) : mb_sum16_avx512(A[r]);
+        mb_kq_store(j, r0 + r, c, out);
+    }
+}
+
+#define MB_KQ_ROWS_CASES(TYPE)                                                                  \
+    switch (rows) {                                                                             \
+    case 1: mb_kq_out_avx512(j, r0, c, 1, TYPE); break;                                         \
+    case 2: mb_kq_out_avx512(j, r0, c, 2, TYPE); break;                                         \
+    case 3: mb_kq_out_avx512(j, r0, c, 3, TYPE); break;                                         \
+    case 4: mb_kq_out_avx512(j, r0, c, 4, TYPE); break;                                         \
+    case 5: mb_kq_out_avx512(j, r0, c, 5, TYPE); break;                                         \
+    case 6: mb_kq_out_avx512(j, r0, c, 6, TYPE); break;                                         \
+    case 7: mb_kq_out_avx512(j, r0, c, 7, TYPE); break;                                         \
+    case 8: mb_kq_out_avx512(j, r0, c, 8, TYPE); break;                                         \
+    case 9: mb_kq_out_avx512(j, r0, c, 9, TYPE); break;                                         \
+    case 10: mb_kq_out_avx512(j, r0, c, 10, TYPE); break;                                       \
+    case 11: mb_kq_out_avx512(j, r0, c, 11, TYPE); break;                                       \
+    case 12: mb_kq_out_avx512(j, r0, c, 12, TYPE); break;                                       \
+    case 13: mb_kq_out_avx512(j, r0, c, 13, TYPE); break;                                       \
+    case 14: mb_kq_out_avx512(j, r0, c, 14, TYPE); break;                                       \
+    case 15: mb_kq_out_avx512(j, r0, c, 15, TYPE); break;                                       \
+    default: mb_kq_out_avx512(j, r0, c, 16, TYPE); break;                                       \
+    }
+
+static MB_KQ_TARGET void mb_kq_run_q4k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
+                                       int32_t c0, int32_t c1) {
+    for (int32_t c = c0; c < c1; c++)
+        MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
+}
+
+static MB_KQ_TARGET void mb_kq_run_q5k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
+                                       int32_t c0, int32_t c1) {
+    for (int32_t c = c0; c < c1; c++)
+        MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
+}
+
+static MB_KQ_TARGET void mb_kq_run_q6k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
+                                       int32_t c0, int32_t c1) {
+    for (int32_t c = c0; c < c1; c++)
+        MB_KQ_ROWS_CASES(MB_GGML_Q6_K)
+}
+#else
+#define MB_KQ_HAVE_AVX512 0
+#endif
+
+/* Guided handout, as csrc/linear.c's mb_worker: runs of remaining / (2 * threads) items. */
+static void mb_kq_worker(void *data) {
+    struct mb_kq_job *j = (struct mb_kq_job *)data;
+    for (;;) {
+        int64_t first, take;
+#ifdef MB_ATOMICS
+        first = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
+        do {
+            if (first >= j->items)
+                return;
+            take = (j->items - first) / (2 * j->threads);
+            take = take < 1 ? 1 : take;
+        } while (!__atomic_compare_exchange_n(&j->next, &first, first + take, 0, __ATOMIC_RELAXED,
+                                              __ATOMIC_RELAXED));
+#else
+        if (j->next >= j->items)
+            return;
+        first = j->next, take = j->items - first, j->next = j->items;
+#endif
+        for (int64_t i = first; i < first + take; i++) {
+            int32_t g = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
+            int32_t r0 = g * MB_KQ_ROWS, c0 = t * MB_KQ_TILE;
+            int32_t rows = j->m - r0 < MB_KQ_ROWS ? j->m - r0 : MB_KQ_ROWS;
+            int32_t c1 = j->n - c0 < MB_KQ_TILE ? j->n : c0 + MB_KQ_TILE;
+            j->run(j, r0, rows, c0, c1);
+        }
+    }
+}
+
+int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
+    int64_t bb = mb_kq_block_bytes(type);
+    if (bb == 0 || m < 1 || n < 1 || k < MB_QK || k % MB_QK || ldx < k || ldy < n ||
+        row_bytes < (int64_t)(k / MB_QK) * bb || y_mode < MB_Y_BF16 || y_mode > MB_Y_ADD_BF16)
+        return MB_EINVAL;
+    struct mb_kq_job j;
+    memset(&j, 0, sizeof j);
+    j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.blocks = k / MB_QK;
+    j.x = x, j.ldx = ldx, j.m = m, j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    if (kernel == MB_KERNEL_PORTABLE)
+        j.run = mb_kq_run_portable;
+#if MB_KQ_HAVE_AVX512
+    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        j.run = type == MB_GGML_Q4_K ? mb_kq_run_q4k : type == MB_GGML_Q5_K ? mb_kq_run_q5k : mb_kq_run_q6k;
+#endif
+    else
+        return MB_EINVAL;
+    j.tiles = (n + MB_KQ_TILE - 1) / MB_KQ_TILE;
+    j.groups = (m + MB_KQ_ROWS - 1) / MB_KQ_ROWS;
+    j.items = (int64_t)j.tiles * j.groups;
+#ifdef MB_ATOMICS
+    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
+#else
+    j.threads = 1;
+#endif
+    if (j.threads > 1)
+        ((mb_parallel_fn)parallel)(mb_kq_worker, &j, (unsigned)threads, 0);
+    else
+        mb_kq_worker(&j);
+    return MB_OK;
+}
