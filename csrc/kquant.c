@@ -234,6 +234,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
     for (int r = 0; r < MR; r++)
         A[r] = N[r] = _mm512_setzero_ps();
     const __m512i small = _mm512_loadu_si512(mb_kq_small);
+    const __m512i small16 = _mm512_inserti64x4(small, _mm512_castsi512_si256(small), 1); /* 0..15 twice */
     const __m512i q6a = _mm512_loadu_si512(mb_kq_q6), q6b = _mm512_loadu_si512(mb_kq_q6 + 32);
     const __m512i low4 = _mm512_set1_epi16(0xf);
     const uint8_t *row = j->w + (size_t)c * j->row_bytes;
@@ -270,12 +271,25 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
                 s[t] = _mm512_permutexvar_ps(idx, sc);
             }
         } else {
-            float dsc[8], dmin;
+            /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
+            uint32_t u0, u1, u2;
+            memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
+            uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                           (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+            uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                           (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+            __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+            __m256i mbits = _mm256_srli_epi32(_mm256_castps_si256(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)))), 16);
+            mbits = _mm256_or_si256(mbits, _mm256_slli_epi32(mbits, 16)); /* bfloat16 pairs */
+            float dscs[8];
             uint32_t mpair[8];
-            mb_kq_scales(blk, dsc, mpair, &dmin);
-            dminv = _mm512_set1_ps(dmin);
+            _mm256_storeu_ps(dscs, dsc);
+            _mm256_storeu_si256((__m256i *)mpair, mbits);
+            dminv = _mm512_set1_ps(mb_f16_f32(blk + 2));
             for (int t = 0; t < 8; t++) {
-                s[t] = _mm512_set1_ps(dsc[t]);
+                s[t] = _mm512_set1_ps(dscs[t]);
                 mv[t] = (__m512bh)_mm512_set1_epi32((int32_t)mpair[t]);
             }
             const uint8_t *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
@@ -285,12 +299,14 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
             const __m512i bit4 = _mm512_set1_epi16(0x10);
             for (int h = 0; h < 4; h++) {
                 __m512i wq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)));
-                __m512i lo = _mm512_and_si512(wq, low4), hi = _mm512_srli_epi16(wq, 4);
+                /* Q4_K: vpermw reads the low 5 bits, and the table repeats 0 .. 15 twice */
+                __m512i lo = type == MB_GGML_Q5_K ? _mm512_and_si512(wq, low4) : wq;
+                __m512i hi = _mm512_srli_epi16(wq, 4);
                 if (type == MB_GGML_Q5_K) {
                     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h)), bit4));
                     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h + 1)), bit4));
                 }
-                q[2 * h] = (__m512bh)_mm512_permutexvar_epi16(lo, small);
+                q[2 * h] = (__m512bh)_mm512_permutexvar_epi16(lo, type == MB_GGML_Q5_K ? small : small16);
                 q[2 * h + 1] = (__m512bh)_mm512_permutexvar_epi16(hi, small);
             }
         }
