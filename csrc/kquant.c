@@ -17,13 +17,13 @@
  *     P = (+0 + x[2l+1] * q[2l+1]) + x[2l] * q[2l]           (vdpbf16ps from zero)
  *     A[l] = A[l] + s * P                                   (s = d*sc of the lane's sub-block)
  * q are the block's small integers (q - 32 for Q6_K), exact in bfloat16, so each product
- * is exact; s = float(d) * sc is exact in float32. The mins (Q4_K, Q5_K) are integers
- * below 64, exact in bfloat16 too, so per block, chunk after chunk, in the same pairs:
- *     M[l] = (M[l] + x[2l+1] * mn[j]) + x[2l] * mn[j]      (vdpbf16ps, M from 0 per block)
- *     N[l] = N[l] + float(dmin) * M[l]                      (after the block's 8 chunks)
- * Blocks in order. Then out = sum16(A) - sum16(N) (Q6_K: sum16(A)), sum16 adding lane l
- * and l+8, then l and l+4, l and l+2, l and l+1; then + bias; then y as mb_bf16_linear
- * writes it. Denormal inputs and dpbf16 sums are zero, as in csrc/linear.c; the rule's
+ * is exact; s = float(d) * sc is exact in float32. The mins (Q4_K, Q5_K) take the sum of
+ * each sub-block's x, which depends on x alone (made once per work item, not per output):
+ *     X[t] = sum16 over lanes of (+0 + x[2l+1]) + x[2l]     (vdpbf16ps against ones)
+ *     N[t] = N[t] + (float(dmin) * mn[t]) * X[t]            (8 lanes, one per sub-block)
+ * Blocks in order. Then out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding lane l
+ * and l+8, then l and l+4, l and l+2, l and l+1 (sum8: l and l+4, ...); then + bias; then
+ * y as mb_bf16_linear writes it. Denormal inputs and dpbf16 sums are zero, as in csrc/linear.c; the rule's
  * limits are linear.c's (products that leave float32's normal range, a zero's sign).
  *
  * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
@@ -39,7 +39,9 @@
 
 #define MB_QK 256       /* weights per block */
 #define MB_KQ_ROWS 16   /* rows per group: each block is decoded once for all of them */
-#define MB_KQ_TILE 16   /* outputs per work item */
+#define MB_KQ_TILE 32   /* outputs per work item: they share its rows' sub-block sums */
+#define MB_KQ_SUM_BLOCKS 64 /* blocks of sub-block sums kept per row (k <= 16384); past
+                             * that each output makes its own (the same bits, slower) */
 
 struct mb_kq_job {
     int32_t type;
@@ -81,10 +83,9 @@ static float mb_f16_f32(const uint8_t *p) { /* IEEE half (little-endian) -> floa
     return mb_bits_f32(sign | ((e + 112u) << 23) | (mant << 13));
 }
 
-/* Q4_K / Q5_K: d*sc[j] (exact), the mins as bfloat16 bit pairs (an integer < 64), dmin */
-static void mb_kq_scales(const uint8_t *blk, float dsc[8], uint32_t mpair[8], float *dmin) {
-    float d = mb_f16_f32(blk);
-    *dmin = mb_f16_f32(blk + 2);
+/* Q4_K / Q5_K: d*sc[j] and dmin*mn[j] (both exact) */
+static void mb_kq_scales(const uint8_t *blk, float dsc[8], float dmn[8]) {
+    float d = mb_f16_f32(blk), dmin = mb_f16_f32(blk + 2);
     const uint8_t *s = blk + 4;
     for (int j = 0; j < 8; j++) {
         uint32_t sc, mn;
@@ -95,8 +96,7 @@ static void mb_kq_scales(const uint8_t *blk, float dsc[8], uint32_t mpair[8], fl
             mn = (uint32_t)(s[j + 4] >> 4) | ((uint32_t)(s[j] >> 6) << 4);
         }
         dsc[j] = d * (float)sc;
-        uint32_t b = mb_f32_bits((float)mn) >> 16;
-        mpair[j] = b | (b << 16);
+        dmn[j] = dmin * (float)mn;
     }
 }
 
@@ -107,6 +107,25 @@ static float mb_sum16(const float *v) {
     for (int i = 0; i < 4; i++)
         b[i] = a[i] + a[i + 4];
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static float mb_sum8(const float *v) {
+    float a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = v[i] + v[i + 4];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+/* X[t] of one block's 256 x (see the top of the file) */
+static void mb_kq_xsums(const uint16_t *x, float X[8]) {
+    for (int t = 0; t < 8; t++) {
+        float S[16];
+        for (int l = 0; l < 16; l++) {
+            float xo = mb_flush(mb_bf16_f32(x[32 * t + 2 * l + 1])), xe = mb_flush(mb_bf16_f32(x[32 * t + 2 * l]));
+            S[l] = mb_flush(mb_flush(0.0f + xo) + xe);
+        }
+        X[t] = mb_sum16(S);
+    }
 }
 
 static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
@@ -124,9 +143,9 @@ static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float a
 /* ---- portable path: the rule, one output at a time ---- */
 
 /* One block's integers q[256] in weight order, the lane scales s[chunk][lane], and for
- * Q4_K / Q5_K the mins (as floats: exact) and dmin; returns whether mins apply. */
+ * Q4_K / Q5_K dmin * mn per sub-block; returns whether mins apply. */
 static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float s[8][16],
-                        float mn[8], float *dmin) {
+                        float dmn[8]) {
     if (type == MB_GGML_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -141,12 +160,10 @@ static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float 
         for (int t = 0; t < 8; t++)
             for (int l = 0; l < 16; l++)
                 s[t][l] = d * (float)sc[2 * t + l / 8];
-        *dmin = 0.0f;
         return 0;
     }
     float dsc[8];
-    uint32_t mpair[8];
-    mb_kq_scales(blk, dsc, mpair, dmin);
+    mb_kq_scales(blk, dsc, dmn);
     const uint8_t *qh = blk + 16, *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
     for (int t = 0; t < 8; t++) {
         for (int i = 0; i < 32; i++) {
@@ -157,38 +174,36 @@ static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float 
         }
         for (int l = 0; l < 16; l++)
             s[t][l] = dsc[t];
-        mn[t] = mb_bf16_f32((uint16_t)mpair[t]);
     }
     return 1;
 }
 
 static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
                                int32_t c1) {
-    float q[MB_QK], s[8][16], mn[8], dmin;
+    float q[MB_QK], s[8][16], dmn[8], X[8];
     for (int32_t c = c0; c < c1; c++)
         for (int32_t r = r0; r < r0 + rows; r++) {
             const uint16_t *xr = j->x + (size_t)r * j->ldx;
-            float A[16] = {0}, N[16] = {0};
+            float A[16] = {0}, N[8] = {0};
             int mins = 0;
             for (int32_t b = 0; b < j->blocks; b++) {
                 const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * mb_kq_block_bytes(j->type);
-                mins = mb_kq_decode(j->type, blk, q, s, mn, &dmin);
-                float M[16] = {0};
+                const uint16_t *xb = xr + (size_t)b * MB_QK;
+                mins = mb_kq_decode(j->type, blk, q, s, dmn);
                 for (int t = 0; t < 8; t++)
                     for (int l = 0; l < 16; l++) {
                         int i = 32 * t + 2 * l;
-                        float xo = mb_flush(mb_bf16_f32(xr[(size_t)b * MB_QK + i + 1]));
-                        float xe = mb_flush(mb_bf16_f32(xr[(size_t)b * MB_QK + i]));
+                        float xo = mb_flush(mb_bf16_f32(xb[i + 1])), xe = mb_flush(mb_bf16_f32(xb[i]));
                         float p = mb_flush(mb_flush(0.0f + xo * q[i + 1]) + xe * q[i]);
                         A[l] = A[l] + s[t][l] * p;
-                        if (mins)
-                            M[l] = mb_flush(mb_flush(M[l] + xo * mn[t]) + xe * mn[t]);
                     }
-                if (mins)
-                    for (int l = 0; l < 16; l++)
-                        N[l] = N[l] + dmin * M[l];
+                if (mins) {
+                    mb_kq_xsums(xb, X);
+                    for (int t = 0; t < 8; t++)
+                        N[t] = N[t] + dmn[t] * X[t];
+                }
             }
-            float out = mins ? mb_sum16(A) - mb_sum16(N) : mb_sum16(A);
+            float out = mins ? mb_sum16(A) - mb_sum8(N) : mb_sum16(A);
             mb_kq_store(j, r, c, out);
         }
 }
@@ -225,14 +240,48 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));              /* + l+1 */
 }
 
-/* One output c for MR rows from r0 (MR and the type constant in each instantiation). */
+/* X[0 .. 8) of one block's 256 x: sum16 of each chunk's pair sums, the eight trees run
+ * side by side (each add is the one mb_sum16 makes, in lanes of their own). */
+static inline __attribute__((always_inline)) MB_KQ_TARGET __m256 mb_kq_xsums_avx512(const uint16_t *x) {
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    __m512 S[8], V[4];
+    for (int t = 0; t < 8; t++)
+        S[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32 * t), ones);
+    for (int i = 0; i < 4; i++) /* [S(2i) lanes 0-7 | S(2i+1) lanes 0-7] + the lanes 8-15 */
+        V[i] = _mm512_add_ps(_mm512_shuffle_f32x4(S[2 * i], S[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(S[2 * i], S[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter g: sub-block g (then 4 + g) lanes l + l+4 */
+    __m512 W0 = _mm512_add_ps(_mm512_shuffle_f32x4(V[0], V[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(V[0], V[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    __m512 W1 = _mm512_add_ps(_mm512_shuffle_f32x4(V[2], V[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(V[2], V[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* quarter g: [g: l + l+2 for l = 0, 1 | 4 + g: the same] */
+    __m512 X = _mm512_add_ps(_mm512_shuffle_ps(W0, W1, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(W0, W1, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quarter g: [X(g), X(4 + g), ...] */
+    __m512 Y = _mm512_add_ps(_mm512_shuffle_ps(X, X, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(X, X, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, Y));
+}
+
+static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum8_avx512(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l + l+4 */
+    __m128 c = _mm_add_ps(a, _mm_movehl_ps(a, a));                                  /* + l+2 */
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                  /* + l+1 */
+}
+
+/* One output c for MR rows from r0 (MR and the type constant in each instantiation);
+ * xs: the rows' X (j->blocks * 8 floats a row), or NULL to make them here. */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
-mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR, const int type) {
+mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *xs, const int MR,
+                 const int type) {
     const int mins = type != MB_GGML_Q6_K;
     const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
-    __m512 A[MB_KQ_ROWS], N[MB_KQ_ROWS];
+    __m512 A[MB_KQ_ROWS];
+    __m256 N[MB_KQ_ROWS];
     for (int r = 0; r < MR; r++)
-        A[r] = N[r] = _mm512_setzero_ps();
+        A[r] = _mm512_setzero_ps(), N[r] = _mm256_setzero_ps();
     const __m512i small = _mm512_loadu_si512(mb_kq_small);
     const __m512i small16 = _mm512_inserti64x4(small, _mm512_castsi512_si256(small), 1); /* 0..15 twice */
     const __m512i q6a = _mm512_loadu_si512(mb_kq_q6), q6b = _mm512_loadu_si512(mb_kq_q6 + 32);
@@ -242,8 +291,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
         const uint8_t *blk = row + (size_t)b * bb;
         __m512bh q[8];
         __m512 s[8];
-        __m512bh mv[8];
-        __m512 dminv = _mm512_setzero_ps();
+        __m256 dmn = _mm256_setzero_ps();
         if (type == MB_GGML_Q6_K) {
             const uint8_t *ql = blk, *qh = blk + 128;
             for (int h = 0; h < 2; h++) {
@@ -280,18 +328,12 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
                            (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
             __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk)),
                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-            __m256i mbits = _mm256_srli_epi32(_mm256_castps_si256(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8)))), 16);
-            mbits = _mm256_or_si256(mbits, _mm256_slli_epi32(mbits, 16)); /* bfloat16 pairs */
+            dmn = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk + 2)),
+                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
             float dscs[8];
-            uint32_t mpair[8];
             _mm256_storeu_ps(dscs, dsc);
-            _mm256_storeu_si256((__m256i *)mpair, mbits);
-            dminv = _mm512_set1_ps(mb_f16_f32(blk + 2));
-            for (int t = 0; t < 8; t++) {
+            for (int t = 0; t < 8; t++)
                 s[t] = _mm512_set1_ps(dscs[t]);
-                mv[t] = (__m512bh)_mm512_set1_epi32((int32_t)mpair[t]);
-            }
             const uint8_t *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
             __m512i hw = _mm512_setzero_si512();
             if (type == MB_GGML_Q5_K) /* bit t of byte i: the fifth bit of q[32t + i] */
@@ -312,58 +354,75 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
         }
         for (int r = 0; r < MR; r++) {
             const uint16_t *x = j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK;
-            __m512 M = _mm512_setzero_ps();
             for (int t = 0; t < 8; t++) {
-                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 32 * t);
-                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv, q[t]);
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32 * t), q[t]);
                 A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[t], p));
-                if (mins)
-                    M = _mm512_dpbf16_ps(M, xv, mv[t]);
             }
-            if (mins)
-                N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(dminv, M));
+            if (mins) {
+                __m256 X = xs ? _mm256_loadu_ps(xs + ((size_t)r * j->blocks + b) * 8) : mb_kq_xsums_avx512(x);
+                N[r] = _mm256_add_ps(N[r], _mm256_mul_ps(dmn, X));
+            }
         }
     }
     for (int r = 0; r < MR; r++) {
-        float out = mins ? mb_sum16_avx512(A[r]) - mb_sum16_avx512(N[r]) : mb_sum16_avx512(A[r]);
+        float out = mins ? mb_sum16_avx512(A[r]) - mb_sum8_avx512(N[r]) : mb_sum16_avx512(A[r]);
         mb_kq_store(j, r0 + r, c, out);
     }
 }
 
 #define MB_KQ_ROWS_CASES(TYPE)                                                                  \
     switch (rows) {                                                                             \
-    case 1: mb_kq_out_avx512(j, r0, c, 1, TYPE); break;                                         \
-    case 2: mb_kq_out_avx512(j, r0, c, 2, TYPE); break;                                         \
-    case 3: mb_kq_out_avx512(j, r0, c, 3, TYPE); break;                                         \
-    case 4: mb_kq_out_avx512(j, r0, c, 4, TYPE); break;                                         \
-    case 5: mb_kq_out_avx512(j, r0, c, 5, TYPE); break;                                         \
-    case 6: mb_kq_out_avx512(j, r0, c, 6, TYPE); break;                                         \
-    case 7: mb_kq_out_avx512(j, r0, c, 7, TYPE); break;                                         \
-    case 8: mb_kq_out_avx512(j, r0, c, 8, TYPE); break;                                         \
-    case 9: mb_kq_out_avx512(j, r0, c, 9, TYPE); break;                                         \
-    case 10: mb_kq_out_avx512(j, r0, c, 10, TYPE); break;                                       \
-    case 11: mb_kq_out_avx512(j, r0, c, 11, TYPE); break;                                       \
-    case 12: mb_kq_out_avx512(j, r0, c, 12, TYPE); break;                                       \
-    case 13: mb_kq_out_avx512(j, r0, c, 13, TYPE); break;                                       \
-    case 14: mb_kq_out_avx512(j, r0, c, 14, TYPE); break;                                       \
-    case 15: mb_kq_out_avx512(j, r0, c, 15, TYPE); break;                                       \
-    default: mb_kq_out_avx512(j, r0, c, 16, TYPE); break;                                       \
+    case 1: mb_kq_out_avx512(j, r0, c, xs, 1, TYPE); break;                                         \
+    case 2: mb_kq_out_avx512(j, r0, c, xs, 2, TYPE); break;                                         \
+    case 3: mb_kq_out_avx512(j, r0, c, xs, 3, TYPE); break;                                         \
+    case 4: mb_kq_out_avx512(j, r0, c, xs, 4, TYPE); break;                                         \
+    case 5: mb_kq_out_avx512(j, r0, c, xs, 5, TYPE); break;                                         \
+    case 6: mb_kq_out_avx512(j, r0, c, xs, 6, TYPE); break;                                         \
+    case 7: mb_kq_out_avx512(j, r0, c, xs, 7, TYPE); break;                                         \
+    case 8: mb_kq_out_avx512(j, r0, c, xs, 8, TYPE); break;                                         \
+    case 9: mb_kq_out_avx512(j, r0, c, xs, 9, TYPE); break;                                         \
+    case 10: mb_kq_out_avx512(j, r0, c, xs, 10, TYPE); break;                                       \
+    case 11: mb_kq_out_avx512(j, r0, c, xs, 11, TYPE); break;                                       \
+    case 12: mb_kq_out_avx512(j, r0, c, xs, 12, TYPE); break;                                       \
+    case 13: mb_kq_out_avx512(j, r0, c, xs, 13, TYPE); break;                                       \
+    case 14: mb_kq_out_avx512(j, r0, c, xs, 14, TYPE); break;                                       \
+    case 15: mb_kq_out_avx512(j, r0, c, xs, 15, TYPE); break;                                       \
+    default: mb_kq_out_avx512(j, r0, c, xs, 16, TYPE); break;                                       \
     }
+
+/* Q4_K / Q5_K: the item's rows' X once (when they fit), then each output */
+static inline __attribute__((always_inline)) MB_KQ_TARGET void
+mb_kq_run_mins(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t c1, const int type) {
+    float sums[MB_KQ_ROWS * MB_KQ_SUM_BLOCKS * 8];
+    const float *xs = NULL;
+    if (j->blocks <= MB_KQ_SUM_BLOCKS) {
+        for (int32_t r = 0; r < rows; r++)
+            for (int32_t b = 0; b < j->blocks; b++)
+                _mm256_storeu_ps(sums + ((size_t)r * j->blocks + b) * 8,
+                                 mb_kq_xsums_avx512(j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK));
+        xs = sums;
+    }
+    for (int32_t c = c0; c < c1; c++) {
+        if (type == MB_GGML_Q4_K)
+            MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
+        else
+            MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
+    }
+}
 
 static MB_KQ_TARGET void mb_kq_run_q4k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
-    for (int32_t c = c0; c < c1; c++)
-        MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
+    mb_kq_run_mins(j, r0, rows, c0, c1, MB_GGML_Q4_K);
 }
 
 static MB_KQ_TARGET void mb_kq_run_q5k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
-    for (int32_t c = c0; c < c1; c++)
-        MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
+    mb_kq_run_mins(j, r0, rows, c0, c1, MB_GGML_Q5_K);
 }
 
 static MB_KQ_TARGET void mb_kq_run_q6k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
+    const float *xs = NULL;
     for (int32_t c = c0; c < c1; c++)
         MB_KQ_ROWS_CASES(MB_GGML_Q6_K)
 }

@@ -494,10 +494,11 @@ def bf16_decode_layers(layers, heads: int, kv_heads: int, eps: float, x: np.ndar
 # the pair (2l, 2l+1): P = (+0 + x[2l+1] q[2l+1]) + x[2l] q[2l] (q the block's small
 # integers, Q6_K's minus 32; products exact; the two adds as vdpbf16ps, denormals zero),
 # A[l] = A[l] + s * P with s = float32(d) * sc of the lane's sub-block (exact). Q4_K and
-# Q5_K subtract their mins: per block, chunk after chunk, M[l] = (M[l] + x[2l+1] mn) +
-# x[2l] mn (mn < 64, exact in bfloat16; M from 0), then N[l] = N[l] + float32(dmin) M[l].
-# Blocks in order; out = sum16(A) - sum16(N) (Q6_K: sum16(A)), sum16 adding lane l and
-# l + 8, l and l + 4, l and l + 2, l and l + 1; then + bias and y as bf16_linear writes it.
+# Q5_K subtract their mins by each sub-block's sum of x, X[t] = sum16 over the lanes of
+# (+0 + x[2l+1]) + x[2l] (denormals zero), in 8 lanes: N[t] = N[t] + (float32(dmin) *
+# mn[t]) * X[t]. Blocks in order; out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding
+# lane l and l + 8, then l and l + 4, l and l + 2, l and l + 1 (sum8 from l and l + 4);
+# then + bias and y as bf16_linear writes it.
 # q, s, mn and dmin*mn are read back from gguf's own dequantizer (`kq_parts`) on probe
 # blocks, so the reference does not share the C code's reading of the layout.
 
@@ -557,7 +558,11 @@ def kq_parts(blocks: np.ndarray, qtype: int):
 
 def _sum16(v: np.ndarray) -> np.ndarray:
     """[..., 16] float32 -> [...]: l + l+8, then l + l+4, l + l+2, l + l+1."""
-    v = v[..., :8] + v[..., 8:]
+    return _sum8(v[..., :8] + v[..., 8:])
+
+
+def _sum8(v: np.ndarray) -> np.ndarray:
+    """[..., 8] float32 -> [...]: l + l+4, then l + l+2, l + l+1."""
     v = v[..., :4] + v[..., 4:]
     v = v[..., :2] + v[..., 2:]
     return v[..., 0] + v[..., 1]
@@ -573,23 +578,21 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
     nb = k // KQ_BLOCK
     q, s, mn, dmin = kq_parts(np.asarray(w, dtype=np.uint8).reshape(n, nb, KQ_BLOCK_BYTES[qtype]), qtype)
     lanes = (n, nb, 8, 16, 2)  # block, chunk, lane, (even, odd)
-    q, mn = q.reshape(lanes), mn[..., ::32].reshape(n, nb, 8)  # one min per chunk
+    q, dmn = q.reshape(lanes), dmin[..., None] * mn[..., ::32].reshape(n, nb, 8)  # [n, nb, 8] exact
     s = s.reshape(lanes)[..., 0]  # [n, nb, 8, 16]: a lane's pair shares its sub-block
     xf = _flush(bf16_to_f32(x)).reshape(m, 1, nb, 8, 16, 2)
     xe, xo = xf[..., 0], xf[..., 1]  # [m, 1, nb, 8, 16]
     zero = np.float32(0)
     with np.errstate(all="ignore"):
         p = _flush(_flush(zero + xo * q[..., 1]) + xe * q[..., 0])  # [m, n, nb, 8, 16]
+        xsum = _sum16(_flush(_flush(zero + xo) + xe))  # [m, 1, nb, 8]
         acc = np.zeros((m, n, 16), dtype=np.float32)
-        mins = np.zeros((m, n, 16), dtype=np.float32)
+        mins = np.zeros((m, n, 8), dtype=np.float32)
         for b in range(nb):
-            chain = np.zeros((m, n, 16), dtype=np.float32)
             for t in range(8):
                 acc = acc + s[:, b, t] * p[:, :, b, t]
-                mt = mn[:, b, t, None]  # [n, 1]
-                chain = _flush(_flush(chain + xo[:, :, b, t] * mt) + xe[:, :, b, t] * mt)
-            mins = mins + dmin[:, b, None] * chain
-        out = _sum16(acc) if qtype == 14 else _sum16(acc) - _sum16(mins)  # [m, n]
+            mins = mins + dmn[:, b] * xsum[:, :, b]
+        out = _sum16(acc) if qtype == 14 else _sum16(acc) - _sum8(mins)  # [m, n]
         if bias is not None:
             out = out + np.asarray(bias, dtype=np.float32)
         if add_to is not None:
