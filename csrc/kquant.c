@@ -240,6 +240,14 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));              /* + l+1 */
 }
 
+/* p * *s, s broadcast from memory: a load, where _mm512_set1_ps of a value the compiler
+ * holds in a register costs shuffles (the port the weights' unpacking needs). */
+static inline __attribute__((always_inline)) MB_KQ_TARGET __m512 mb_kq_mul_bcast(__m512 p, const float *s) {
+    __m512 out;
+    __asm__("vmulps %2%{1to16%}, %1, %0" : "=v"(out) : "v"(p), "m"(*s));
+    return out;
+}
+
 /* X[0 .. 8) of one block's 256 x: sum16 of each chunk's pair sums, the eight trees run
  * side by side (each add is the one mb_sum16 makes, in lanes of their own). */
 static inline __attribute__((always_inline)) MB_KQ_TARGET __m256 mb_kq_xsums_avx512(const uint16_t *x) {
@@ -291,6 +299,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
         const uint8_t *blk = row + (size_t)b * bb;
         __m512bh q[8];
         __m512 s[8];
+        float dscs[8];
         __m256 dmn = _mm256_setzero_ps();
         if (type == MB_GGML_Q6_K) {
             const uint8_t *ql = blk, *qh = blk + 128;
@@ -330,10 +339,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
             dmn = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk + 2)),
                                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-            float dscs[8];
             _mm256_storeu_ps(dscs, dsc);
-            for (int t = 0; t < 8; t++)
-                s[t] = _mm512_set1_ps(dscs[t]);
             const uint8_t *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
             __m512i hw = _mm512_setzero_si512();
             if (type == MB_GGML_Q5_K) /* bit t of byte i: the fifth bit of q[32t + i] */
@@ -356,7 +362,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
             const uint16_t *x = j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK;
             for (int t = 0; t < 8; t++) {
                 __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32 * t), q[t]);
-                A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[t], p));
+                A[r] = _mm512_add_ps(A[r], mins ? mb_kq_mul_bcast(p, dscs + t) : _mm512_mul_ps(s[t], p));
             }
             if (mins) {
                 __m256 X = xs ? _mm256_loadu_ps(xs + ((size_t)r * j->blocks + b) * 8) : mb_kq_xsums_avx512(x);
