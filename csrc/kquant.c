@@ -23,8 +23,14 @@
  *     N[t] = N[t] + (float(dmin) * mn[t]) * X[t]            (8 lanes, one per sub-block)
  * Blocks in order. Then out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding lane l
  * and l+8, then l and l+4, l and l+2, l and l+1 (sum8: l and l+4, ...); then + bias; then
- * y as mb_bf16_linear writes it. Denormal inputs and dpbf16 sums are zero, as in csrc/linear.c; the rule's
- * limits are linear.c's (products that leave float32's normal range, a zero's sign).
+ * y as mb_bf16_linear writes it. Denormal inputs and dpbf16 sums are zero, as in
+ * csrc/linear.c; the rule's limits are linear.c's (products that leave float32's normal
+ * range, a zero's sign). Activations are used exactly, never quantized: only the sums'
+ * float32 roundings differ from the exact product of x and gguf's dequantized weights.
+ *
+ * Speed (AVX-512): a single row is bound by the shuffles that unpack the integers
+ * (vpmovzxbw, vpermw) rather than by the bytes read, so the scales go in as memory
+ * broadcasts (vmulps {1to16}) that take no shuffle.
  *
  * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
  * and y, never on m, its neighbours or the threads. Rows go in groups of up to
