@@ -12,7 +12,7 @@ bfloat16 tensor, as benchmarks/decode.py measures it):
     q4_k 2048x8192 m=1: kq 0.31 ms 3200 tok/s 30.1 GB/s (48% of read) | bf16 0.55 ms ... | kq/bf16 1.8x
 
 Usage: python benchmarks/kquant.py [--shapes 2048x8192,8192x2048] [--types q4_k,q6_k,q5_k]
-       [--rows 1,8] [--calls 50] [--repeat 5] [--quick]   (--quick: a smoke run)
+       [--rows 1,8] [--calls 50] [--repeat 5] [--threads N] [--quick]   (--quick: a smoke run)
 Timings on a busy machine mean little: the load average is printed beside them.
 """
 from __future__ import annotations
@@ -81,12 +81,15 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0: as torch has it")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one small shape, few calls")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.calls, args.repeat = "512x2048", 3, 1
     if not linear.bf16_kernel_available():
         sys.exit("no AVX512-BF16 kernel on this CPU: nothing to compare")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     pool, threads = csrc.parallel(), torch.get_num_threads()
     kernel = native.bf16_kernel()
     read = read_bandwidth(64 << 20 if args.quick else 512 << 20)
