@@ -409,12 +409,11 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
     default: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 16, TYPE); break;                                       \
     }
 
-/* Blocks per panel: the panel's x (rows x 512 bytes a block, about 16 KB) stays in L1
- * while the tile's outputs stream their weights past it; each output keeps its order
- * (blocks in order, the accumulators carried between panels), so the sizes change speed
- * only, never bits (to be tuned on a quiet machine: this one's timings moved 2x). */
+/* Blocks per panel: the panel's x (rows x 512 bytes a block) stays in L1 while the
+ * tile's outputs stream their weights past it; each output keeps its order (blocks in
+ * order, the accumulators carried between panels), so the bits do not change. */
 static int32_t mb_kq_panel(int32_t rows) {
-    return rows <= 1 ? 32 : rows <= 2 ? 16 : rows <= 4 ? 8 : rows <= 8 ? 4 : 2;
+    return rows <= 1 ? 16 : rows <= 2 ? 8 : rows <= 4 ? 4 : 2;
 }
 
 /* Q4_K / Q5_K: the item's rows' X once (when they fit), then each output */
