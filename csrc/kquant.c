@@ -285,25 +285,23 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum8_avx512(_
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                  /* + l+1 */
 }
 
-/* One output c for MR rows from r0 over blocks [b0, b1) (MR and the type constant in
- * each instantiation); xs: the rows' X (j->blocks * 8 floats a row), or NULL to make
- * them here; As, Ns: the accumulators between panels of blocks (read unless b0 is 0,
- * written unless b1 ends the row, when the outputs are stored instead). */
+/* One output c for MR rows from r0 (MR and the type constant in each instantiation);
+ * xs: the rows' X (j->blocks * 8 floats a row), or NULL to make them here. */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
-mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *xs, int32_t b0,
-                 int32_t b1, __m512 *As, __m256 *Ns, const int MR, const int type) {
+mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *xs, const int MR,
+                 const int type) {
     const int mins = type != MB_GGML_Q6_K;
     const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
     __m512 A[MB_KQ_ROWS];
     __m256 N[MB_KQ_ROWS];
     for (int r = 0; r < MR; r++)
-        A[r] = b0 ? As[r] : _mm512_setzero_ps(), N[r] = b0 ? Ns[r] : _mm256_setzero_ps();
+        A[r] = _mm512_setzero_ps(), N[r] = _mm256_setzero_ps();
     const __m512i small = _mm512_loadu_si512(mb_kq_small);
     const __m512i small16 = _mm512_inserti64x4(small, _mm512_castsi512_si256(small), 1); /* 0..15 twice */
     const __m512i q6a = _mm512_loadu_si512(mb_kq_q6), q6b = _mm512_loadu_si512(mb_kq_q6 + 32);
     const __m512i low4 = _mm512_set1_epi16(0xf);
     const uint8_t *row = j->w + (size_t)c * j->row_bytes;
-    for (int32_t b = b0; b < b1; b++) {
+    for (int32_t b = 0; b < j->blocks; b++) {
         const uint8_t *blk = row + (size_t)b * bb;
         __m512bh q[8];
         __m512 s[8];
@@ -378,11 +376,6 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
             }
         }
     }
-    if (b1 < j->blocks) {
-        for (int r = 0; r < MR; r++)
-            As[r] = A[r], Ns[r] = N[r];
-        return;
-    }
     for (int r = 0; r < MR; r++) {
         float out = mins ? mb_sum16_avx512(A[r]) - mb_sum8_avx512(N[r]) : mb_sum16_avx512(A[r]);
         mb_kq_store(j, r0 + r, c, out);
@@ -391,30 +384,23 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
 
 #define MB_KQ_ROWS_CASES(TYPE)                                                                  \
     switch (rows) {                                                                             \
-    case 1: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 1, TYPE); break;                                         \
-    case 2: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 2, TYPE); break;                                         \
-    case 3: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 3, TYPE); break;                                         \
-    case 4: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 4, TYPE); break;                                         \
-    case 5: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 5, TYPE); break;                                         \
-    case 6: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 6, TYPE); break;                                         \
-    case 7: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 7, TYPE); break;                                         \
-    case 8: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 8, TYPE); break;                                         \
-    case 9: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 9, TYPE); break;                                         \
-    case 10: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 10, TYPE); break;                                       \
-    case 11: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 11, TYPE); break;                                       \
-    case 12: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 12, TYPE); break;                                       \
-    case 13: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 13, TYPE); break;                                       \
-    case 14: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 14, TYPE); break;                                       \
-    case 15: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 15, TYPE); break;                                       \
-    default: mb_kq_out_avx512(j, r0, c, xs, b0, b1, As + (size_t)(c - c0) * MB_KQ_ROWS, Ns + (size_t)(c - c0) * MB_KQ_ROWS, 16, TYPE); break;                                       \
+    case 1: mb_kq_out_avx512(j, r0, c, xs, 1, TYPE); break;                                         \
+    case 2: mb_kq_out_avx512(j, r0, c, xs, 2, TYPE); break;                                         \
+    case 3: mb_kq_out_avx512(j, r0, c, xs, 3, TYPE); break;                                         \
+    case 4: mb_kq_out_avx512(j, r0, c, xs, 4, TYPE); break;                                         \
+    case 5: mb_kq_out_avx512(j, r0, c, xs, 5, TYPE); break;                                         \
+    case 6: mb_kq_out_avx512(j, r0, c, xs, 6, TYPE); break;                                         \
+    case 7: mb_kq_out_avx512(j, r0, c, xs, 7, TYPE); break;                                         \
+    case 8: mb_kq_out_avx512(j, r0, c, xs, 8, TYPE); break;                                         \
+    case 9: mb_kq_out_avx512(j, r0, c, xs, 9, TYPE); break;                                         \
+    case 10: mb_kq_out_avx512(j, r0, c, xs, 10, TYPE); break;                                       \
+    case 11: mb_kq_out_avx512(j, r0, c, xs, 11, TYPE); break;                                       \
+    case 12: mb_kq_out_avx512(j, r0, c, xs, 12, TYPE); break;                                       \
+    case 13: mb_kq_out_avx512(j, r0, c, xs, 13, TYPE); break;                                       \
+    case 14: mb_kq_out_avx512(j, r0, c, xs, 14, TYPE); break;                                       \
+    case 15: mb_kq_out_avx512(j, r0, c, xs, 15, TYPE); break;                                       \
+    default: mb_kq_out_avx512(j, r0, c, xs, 16, TYPE); break;                                       \
     }
-
-/* Blocks per panel: the panel's x (rows x 512 bytes a block) stays in L1 while the
- * tile's outputs stream their weights past it; each output keeps its order (blocks in
- * order, the accumulators carried between panels), so the bits do not change. */
-static int32_t mb_kq_panel(int32_t rows) {
-    return rows <= 1 ? 16 : rows <= 2 ? 8 : rows <= 4 ? 4 : 2;
-}
 
 /* Q4_K / Q5_K: the item's rows' X once (when they fit), then each output */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
@@ -428,16 +414,11 @@ mb_kq_run_mins(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0, 
                                  mb_kq_xsums_avx512(j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK));
         xs = sums;
     }
-    __m512 As[MB_KQ_TILE * MB_KQ_ROWS];
-    __m256 Ns[MB_KQ_TILE * MB_KQ_ROWS];
-    for (int32_t b0 = 0, pb = mb_kq_panel(rows); b0 < j->blocks; b0 += pb) {
-        int32_t b1 = j->blocks - b0 < pb ? j->blocks : b0 + pb;
-        for (int32_t c = c0; c < c1; c++) {
-            if (type == MB_GGML_Q4_K)
-                MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
-            else
-                MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
-        }
+    for (int32_t c = c0; c < c1; c++) {
+        if (type == MB_GGML_Q4_K)
+            MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
+        else
+            MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
     }
 }
 
@@ -454,13 +435,8 @@ static MB_KQ_TARGET void mb_kq_run_q5k(const struct mb_kq_job *j, int32_t r0, in
 static MB_KQ_TARGET void mb_kq_run_q6k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
     const float *xs = NULL;
-    __m512 As[MB_KQ_TILE * MB_KQ_ROWS];
-    __m256 Ns[MB_KQ_TILE * MB_KQ_ROWS];
-    for (int32_t b0 = 0, pb = mb_kq_panel(rows); b0 < j->blocks; b0 += pb) {
-        int32_t b1 = j->blocks - b0 < pb ? j->blocks : b0 + pb;
-        for (int32_t c = c0; c < c1; c++)
-            MB_KQ_ROWS_CASES(MB_GGML_Q6_K)
-    }
+    for (int32_t c = c0; c < c1; c++)
+        MB_KQ_ROWS_CASES(MB_GGML_Q6_K)
 }
 #else
 #define MB_KQ_HAVE_AVX512 0
