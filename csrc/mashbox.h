@@ -176,14 +176,14 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
  * 0 for another type or k not a multiple of 32. */
 int64_t mb_q_row_bytes(int32_t type, int32_t k);
 
-/* 1 when mb_q_linear runs this type in this build (the K-quants: with csrc/kquant.c). */
+/* 1 when mb_q_linear runs this type (the legacy types here, the K-quants in csrc/kquant.c). */
 int mb_q_supported(int32_t type);
 
 /* y[r, c] = x[r, :k] . dequant(w row c) (+ bias[c]) for r < m, c < n. w: n rows,
  * row_bytes apart, each k / 32 blocks in ggml's own layout (the GGUF file's bytes); x:
  * bfloat16 bits, rows ldx apart (used exactly, never quantized); bias float32 or NULL;
  * y, y_mode, ldy, kernel, parallel, threads as mb_bf16_linear's. Types Q4_K, Q5_K, Q6_K
- * go to mb_kq_linear (csrc/kquant.c) where it is built in, else MB_EINVAL. Every
+ * go to mb_kq_linear (csrc/kquant.c) unchanged. Every
  * output's bits depend only on its own x row, w row, bias (and y); the portable and
  * AVX512 kernels give the same bits. */
 int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
@@ -230,5 +230,14 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
                           int32_t n_slots, int32_t capacity, int32_t window, float scale,
                           uint16_t *scratch, int64_t scratch_len, int32_t kernel, void *parallel,
                           int32_t threads);
+
+/* K-quant linear layers (csrc/kquant.c states the arithmetic): y[r, c] = x[r, :k] .
+ * dequant(w row c) (+ bias[c]) for r < m, c < n; type MB_GGML_Q4_K, Q5_K or Q6_K; w: n
+ * rows row_bytes apart, each k / 256 blocks in ggml's layout (the file's bytes); x, bias,
+ * y, y_mode, ldy, kernel, parallel, threads as mb_bf16_linear's. MB_EINVAL for another
+ * type, k not a multiple of 256, row_bytes under k / 256 blocks, or a bad size. */
+int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
 
 #endif /* MASHBOX_H */

@@ -364,40 +364,19 @@ int64_t mb_q_row_bytes(int32_t type, int32_t k) {
     return (int64_t)(k / MB_Q_BLOCK) * f.bytes;
 }
 
-/* The K-quant kernels (csrc/kquant.c) are another helper's: declared weak here, so this
- * file links with or without them (a build without kquant.c answers MB_EINVAL for them). */
-#if defined(__GNUC__) && defined(__ELF__)
-#define MB_Q_KQUANT 1
-__attribute__((weak)) int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n,
-                                       int32_t k, const uint16_t *x, int64_t ldx, int32_t m,
-                                       const float *bias, void *y, int32_t y_mode, int64_t ldy,
-                                       int32_t kernel, void *parallel, int32_t threads);
-#else
-#define MB_Q_KQUANT 0
-#endif
-
 int mb_q_supported(int32_t type) {
     struct mb_q_format f;
     if (mb_q_format(type, &f))
         return 1;
-#if MB_Q_KQUANT
-    if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K || type == MB_GGML_Q6_K)
-        return mb_kq_linear != NULL;
-#endif
-    return 0;
+    return type == MB_GGML_Q4_K || type == MB_GGML_Q5_K || type == MB_GGML_Q6_K;
 }
 
 int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
-    if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K || type == MB_GGML_Q6_K) {
-#if MB_Q_KQUANT
-        if (mb_kq_linear)
-            return mb_kq_linear(type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy, kernel, parallel,
-                                threads);
-#endif
-        return MB_EINVAL;
-    }
+    if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K || type == MB_GGML_Q6_K) /* csrc/kquant.c */
+        return mb_kq_linear(type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy, kernel, parallel,
+                            threads);
     struct mb_q_job j;
     memset(&j, 0, sizeof j);
     if (!mb_q_format(type, &j.fmt) || m < 1 || n < 1 || k < MB_Q_BLOCK || k % MB_Q_BLOCK || ldx < k ||

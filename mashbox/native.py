@@ -322,6 +322,16 @@ def bf16_linear_ptr(x: int, ldx: int, m: int, packed: int, n: int, k: int, bias:
         _ffi.cast("void *", parallel), threads), "bf16_linear")
 
 
+def kq_linear_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
+                  bias: int, y: int, y_mode: int, ldy: int, kernel: int, parallel: int,
+                  threads: int) -> None:
+    """mb_kq_linear on addresses (Q4_K / Q5_K / Q6_K blocks; 0 for no bias / pool)."""
+    _check(_lib.mb_kq_linear(
+        qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
+        _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy, kernel,
+        _ffi.cast("void *", parallel), threads), "kq_linear")
+
+
 def bf16_gather_rows_ptr(packed: int, n: int, k: int, ids: int, count: int, out: int) -> None:
     """mb_bf16_gather_rows on addresses; see csrc/mashbox.h."""
     _check(_lib.mb_bf16_gather_rows(_ffi.cast("uint16_t *", packed), n, k, _ffi.cast("int64_t *", ids),
@@ -555,6 +565,41 @@ def bf16_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     bf16_rmsnorm_ptr(x.ctypes.data, x.shape[1], x.shape[0], x.shape[1], w.ctypes.data, eps,
                      out.ctypes.data, x.shape[1])
     return out
+
+
+def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+              y_f32: bool = False, add_to: np.ndarray | None = None, kernel: int | None = None,
+              parallel: int = 0, threads: int = 1) -> np.ndarray:
+    """native_ref.kq_linear through the C kernel: w uint8[n, row bytes] GGUF rows, x
+    uint16[m, k] (rows may be strided), on `kernel` (default the fastest here)."""
+    w = _array(w, np.uint8, "w", 2)
+    x = np.asarray(x)
+    if x.dtype != np.uint16 or x.ndim != 2 or x.strides[1] != 2:
+        x = _array(x, np.uint16, "x", 2)
+    m, k = x.shape
+    n, blocks = w.shape[0], k // native_ref.KQ_BLOCK
+    if qtype not in native_ref.KQ_BLOCK_BYTES or k % native_ref.KQ_BLOCK or m < 1 or n < 1 or blocks < 1 \
+            or w.shape[1] < blocks * native_ref.KQ_BLOCK_BYTES[qtype]:
+        raise ValueError(f"kq_linear: type {qtype}, x {x.shape}, w {w.shape} do not fit")
+    if bias is not None:
+        bias = _array(bias, np.float32, "bias", 1)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if add_to is not None:
+        add_to = _array(add_to, np.uint16, "add_to", 2)
+        if y_f32 or add_to.shape != (m, n):
+            raise ValueError(f"add_to must be bfloat16 output of shape ({m}, {n})")
+    if _lib is None:
+        return native_ref.kq_linear(qtype, w[:, :blocks * native_ref.KQ_BLOCK_BYTES[qtype]],
+                                    np.ascontiguousarray(x), bias, y_f32, add_to)
+    if add_to is not None:
+        y, mode = add_to.copy(), Y_ADD_BF16
+    else:
+        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    kq_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, x.ctypes.data, x.strides[0] // 2, m,
+                  0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n,
+                  bf16_kernel() if kernel is None else kernel, parallel, threads)
+    return y
 
 
 def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,

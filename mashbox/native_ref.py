@@ -590,3 +590,116 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
         if add_to is not None:
             out = bf16_to_f32(add_to) + out
     return out if y_f32 else f32_to_bf16(out)
+
+
+# ---- K-quant linear layers (kq_linear; csrc/kquant.c states the rule) ----
+#
+# y[r, c] = x[r] . dequant(w row c) on GGUF Q4_K / Q5_K / Q6_K blocks of 256 weights. Per
+# output, 16 float32 lanes; lane l of chunk t (weights 32t .. 32t+31 of a block) takes
+# the pair (2l, 2l+1): P = (+0 + x[2l+1] q[2l+1]) + x[2l] q[2l] (q the block's small
+# integers, Q6_K's minus 32; products exact; the two adds as vdpbf16ps, denormals zero),
+# A[l] = A[l] + s * P with s = float32(d) * sc of the lane's sub-block (exact). Q4_K and
+# Q5_K subtract their mins by each sub-block's sum of x, X[t] = sum16 over the lanes of
+# (+0 + x[2l+1]) + x[2l] (denormals zero), in 8 lanes: N[t] = N[t] + (float32(dmin) *
+# mn[t]) * X[t]. Blocks in order; out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding
+# lane l and l + 8, then l and l + 4, l and l + 2, l and l + 1 (sum8 from l and l + 4);
+# then + bias and y as bf16_linear writes it.
+# q, s, mn and dmin*mn are read back from gguf's own dequantizer (`kq_parts`) on probe
+# blocks, so the reference does not share the C code's reading of the layout.
+
+KQ_BLOCK = 256
+KQ_BLOCK_BYTES = {12: 144, 13: 176, 14: 210}  # Q4_K, Q5_K, Q6_K (ggml's type numbers)
+
+
+def _kq_probe(blocks: np.ndarray, qtype: int, q: int | None = None, d: float | None = None,
+              dmin: float | None = None, unit_scales: bool = False) -> np.ndarray:
+    """gguf's dequantization (float32[..., 256]) of copies of blocks (uint8[..., bytes])
+    with d / dmin set where given, every scale 1 and min 0 when unit_scales, every
+    integer set to q (Q6_K: q - 32 stored) where given."""
+    import gguf
+
+    b = np.array(blocks, dtype=np.uint8, copy=True)
+
+    def half(v: float) -> np.ndarray:
+        return np.frombuffer(np.float16(v).tobytes(), dtype=np.uint8)
+
+    if qtype == 14:  # ql[128] qh[64] scales int8[16] d
+        if d is not None:
+            b[..., 208:210] = half(d)
+        if unit_scales:
+            b[..., 192:208] = 1
+        if q is not None:  # u = q + 32 in 6 bits: low 4 in ql's nibbles, 2 in qh's pairs
+            u = q + 32
+            b[..., 0:128] = (u & 15) | ((u & 15) << 4)
+            b[..., 128:192] = (u >> 4) * 0x55
+    else:  # d dmin scales[12] (qh[32] for Q5_K) qs[128]
+        if d is not None:
+            b[..., 0:2] = half(d)
+        if dmin is not None:
+            b[..., 2:4] = half(dmin)
+        if unit_scales:  # sc = 1, mn = 0 for all eight sub-blocks
+            b[..., 4:8], b[..., 8:12], b[..., 12:16] = 1, 0, 1
+        if q is not None:
+            b[..., -128:] = (q & 15) | ((q & 15) << 4)
+            if qtype == 13:
+                b[..., 16:48] = 255 if q >> 4 else 0
+    flat = b.reshape(-1, b.shape[-1])
+    out = gguf.quants.dequantize(flat, gguf.GGMLQuantizationType(qtype))
+    return out.reshape(b.shape[:-1] + (KQ_BLOCK,)).astype(np.float32)
+
+
+def kq_parts(blocks: np.ndarray, qtype: int):
+    """blocks uint8[..., block bytes] -> (q, s, mn: float32[..., 256], dmin: float32[...]):
+    each weight's integer (Q6_K: minus 32), d * sc and min integer (0 for Q6_K), and the
+    block's dmin (0 for Q6_K), so that dequant = s * q - dmin * mn."""
+    q = _kq_probe(blocks, qtype, d=1.0, dmin=0.0, unit_scales=True)
+    s = _kq_probe(blocks, qtype, q=1, dmin=0.0)  # the block's own d and scales
+    if qtype == 14:
+        return q, s, np.zeros_like(q), np.zeros(q.shape[:-1], dtype=np.float32)
+    mn = np.float32(0) - _kq_probe(blocks, qtype, q=0, d=0.0, dmin=1.0)  # +0, not -0
+    dmin = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return q, s, mn, dmin
+
+
+def _sum16(v: np.ndarray) -> np.ndarray:
+    """[..., 16] float32 -> [...]: l + l+8, then l + l+4, l + l+2, l + l+1."""
+    return _sum8(v[..., :8] + v[..., 8:])
+
+
+def _sum8(v: np.ndarray) -> np.ndarray:
+    """[..., 8] float32 -> [...]: l + l+4, then l + l+2, l + l+1."""
+    v = v[..., :4] + v[..., 4:]
+    v = v[..., :2] + v[..., 2:]
+    return v[..., 0] + v[..., 1]
+
+
+def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+              y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
+    """w uint8[n, k / 256 * block bytes] (GGUF rows), x uint16[m, k] bfloat16 bits, bias
+    float32[n] or None -> float32[m, n] when y_f32, else bfloat16 bits (of add_to + out,
+    rounded once, when add_to uint16[m, n] is given); the rule above."""
+    n = w.shape[0]
+    m, k = x.shape
+    nb = k // KQ_BLOCK
+    q, s, mn, dmin = kq_parts(np.asarray(w, dtype=np.uint8).reshape(n, nb, KQ_BLOCK_BYTES[qtype]), qtype)
+    lanes = (n, nb, 8, 16, 2)  # block, chunk, lane, (even, odd)
+    q, dmn = q.reshape(lanes), dmin[..., None] * mn[..., ::32].reshape(n, nb, 8)  # [n, nb, 8] exact
+    s = s.reshape(lanes)[..., 0]  # [n, nb, 8, 16]: a lane's pair shares its sub-block
+    xf = _flush(bf16_to_f32(x)).reshape(m, 1, nb, 8, 16, 2)
+    xe, xo = xf[..., 0], xf[..., 1]  # [m, 1, nb, 8, 16]
+    zero = np.float32(0)
+    with np.errstate(all="ignore"):
+        p = _flush(_flush(zero + xo * q[..., 1]) + xe * q[..., 0])  # [m, n, nb, 8, 16]
+        xsum = _sum16(_flush(_flush(zero + xo) + xe))  # [m, 1, nb, 8]
+        acc = np.zeros((m, n, 16), dtype=np.float32)
+        mins = np.zeros((m, n, 8), dtype=np.float32)
+        for b in range(nb):
+            for t in range(8):
+                acc = acc + s[:, b, t] * p[:, :, b, t]
+            mins = mins + dmn[:, b] * xsum[:, :, b]
+        out = _sum16(acc) if qtype == 14 else _sum16(acc) - _sum8(mins)  # [m, n]
+        if bias is not None:
+            out = out + np.asarray(bias, dtype=np.float32)
+        if add_to is not None:
+            out = bf16_to_f32(add_to) + out
+    return out if y_f32 else f32_to_bf16(out)

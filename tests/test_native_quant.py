@@ -161,14 +161,22 @@ def test_bad_shapes_are_refused_before_c():
     assert set(GGML_TYPES) >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
 
 
-def test_k_quants_without_their_kernel_are_refused_not_guessed():
-    """Until csrc/kquant.c is built in, mb_q_linear answers MB_EINVAL for Q4_K / Q5_K / Q6_K
-    and the loader dequantizes those tensors (block_weight.KERNEL_TYPES)."""
+def test_k_quants_go_through_the_dispatcher_to_their_kernel():
+    """mb_q_linear runs every block type the loader keeps (block_weight.KERNEL_TYPES); the
+    K-quants go to mb_kq_linear unchanged: the same bits as calling it directly."""
     from mashbox.model import block_weight
 
-    for name in ("Q4_K", "Q5_K", "Q6_K"):
-        assert native.q_supported(GGML_TYPES[name]) == (name in block_weight.KERNEL_TYPES)
-    if not native.q_supported(native.Q4_K):
-        with pytest.raises(ValueError, match="q_linear"):
-            native.q_linear_ptr(native.Q4_K, 0, 144, 1, 256, 0, 256, 1, 0, 0, native.Y_BF16, 1,
-                                KERNELS[-1], 0, 1)
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        assert native.q_supported(GGML_TYPES[name]) and name in block_weight.KERNEL_TYPES
+    rng = np.random.default_rng(3)
+    n, k, m = 5, 256, 3
+    w = rng.integers(0, 256, size=(n, 144), dtype=np.uint8)
+    w[:, 0:4] = np.frombuffer(np.array([0.01, 0.002], dtype=np.float16).tobytes(), np.uint8)  # d, dmin
+    x = (rng.standard_normal((m, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    outs = []
+    for call in (native.q_linear_ptr, native.kq_linear_ptr):
+        y = np.zeros((m, n), dtype=np.float32)
+        call(native.Q4_K, w.ctypes.data, 144, n, k, x.ctypes.data, k, m, 0, y.ctypes.data, native.Y_F32, n,
+             KERNELS[-1], 0, 1)
+        outs.append(y)
+    assert np.array_equal(outs[0], outs[1]) and np.isfinite(outs[0]).all()

@@ -6,8 +6,8 @@ Rules:
   a linear's blocks once into its weight arena (model/linear.py's QuantLinear); nothing
   here is dequantized whole.
 - Which block types stay blocks is one choice made at load: KERNEL_TYPES, the types
-  csrc's mb_q_linear runs in this build (the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, and
-  Q4_K / Q5_K / Q6_K once csrc/kquant.c is built in). A tensor of another type is
+  csrc's mb_q_linear runs (the legacy Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 in csrc/quant.c,
+  Q4_K / Q5_K / Q6_K in csrc/kquant.c). A tensor of another type is
   dequantized as before (gguf_weights.py), so such a file still loads.
 - rows(ids) dequantizes only the rows asked for (an embedding lookup), with quants.py's
   decoders: the same bits as the whole tensor dequantized.
