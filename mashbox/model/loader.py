@@ -53,8 +53,8 @@ def read_config(path: str) -> ModelConfig:
 
 def load(path: str, dtype: torch.dtype, device: torch.device, blocks: bool = False) -> LoadedWeights:
     """blocks: a GGUF's 2-d tensors of the types csrc's kernels read (block_weight.
-    KERNEL_TYPES) come as BlockWeight, kept in the file's blocks; other types (the
-    K-quants until csrc/kquant.c is built in) are dequantized as before."""
+    KERNEL_TYPES) come as BlockWeight, kept in the file's blocks; other types (F16, BF16,
+    F32, and block types without a kernel) are dequantized as before."""
     if is_gguf(path):
         weights = GGUFWeights(path)
         tensors: dict[str, torch.Tensor] = {}
