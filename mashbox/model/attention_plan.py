@@ -2,7 +2,8 @@
 
 Rules (decoder.py's docstring states why):
 - Decode rows (Batch.row_decode) on csrc's kernel (model/attention.py) where the
-  decoder chose it: each query alone over its own keys, one call for all of them.
+  decoder chose it: each query alone over its own keys, one call for all of them; every
+  other row on csrc's prefill kernel where the decoder chose it (one call for all).
 - Batch-invariant mode (the CPU default): every other row, prefill chunk or decode,
   attends through one masked SDPA call over its slot's keys [0, key_width(end)), its
   queries padded (padded_queries) so SDPA's gemms never see fewer rows than the dtype's
@@ -72,9 +73,11 @@ class AttentionPlan:
     """
 
     def __init__(self, batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, invariant: bool, decode_kernel: int = 0):
+                 device: torch.device, invariant: bool, decode_kernel: int = 0, prefill_kernel: int = 0,
+                 index: Optional[attention.RowIndex] = None):
         """batch: decoder.Batch; decode_kernel: a native.KERNEL_* for the decode rows on csrc's
-        attention (model/attention.py), 0: they take SDPA too."""
+        attention (model/attention.py), 0: they take SDPA too; prefill_kernel: the same for
+        every other row; index: the decoder's attention.RowIndex (a fresh one if None)."""
         own_decode = bool(decode_kernel)
         self.dtype = dtype
         rows = len(batch.row_slots)
@@ -98,6 +101,7 @@ class AttentionPlan:
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         invariant_decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         own: list[tuple[int, int, int]] = []  # (t, slot, length): decode rows on attention.py's kernel
+        own_prefill: list[tuple[int, int, int, int]] = []  # (t0, slot, start, n): prompt rows on it
         qmult = _QUERY_MULTIPLE.get(dtype, 1)
         t0 = 0
         for i, (slot, start, n) in enumerate(zip(batch.row_slots, batch.row_starts, batch.row_lens)):
@@ -112,6 +116,8 @@ class AttentionPlan:
             end = start + n
             if decode and own_decode:
                 own.append((t0, slot, end))
+            elif not decode and prefill_kernel:
+                own_prefill.append((t0, slot, start, n))
             elif invariant and n == 1:
                 invariant_decodes.append((t0, slot, end))
             elif invariant:
@@ -145,7 +151,9 @@ class AttentionPlan:
         self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self.decodes = decodes
-        self.own = attention.DecodeRows(own, c, decode_kernel) if own else None
+        index = attention.RowIndex() if index is None else index
+        self.own = attention.DecodeRows(own, c, decode_kernel, index) if own else None
+        self.own_prefill = attention.PrefillRows(own_prefill, c, prefill_kernel, index) if own_prefill else None
         self.batched = None
         self.groups: list[_DecodeGroup] = []
         if invariant_decodes:
@@ -242,6 +250,8 @@ class AttentionPlan:
         KV, G, D = self.kv_heads, self.group, self.head_dim
         if self.own is not None:
             self.own.attend(q, k_cache, v_cache, out)
+        if self.own_prefill is not None:
+            self.own_prefill.attend(q, k_cache, v_cache, out)
         # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
         # math kernel.
         for g in self.groups:

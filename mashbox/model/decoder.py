@@ -51,6 +51,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mashbox.model import attention
 from mashbox.model.attention_plan import AttentionPlan
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
@@ -144,6 +145,9 @@ class Decoder:
         csrc_linears = self.kernels.linears == "csrc"
         self.ops = CsrcRowOps(config) if csrc_linears else TorchRowOps(config)
         self._attention_kernel = self.kernels.kernel if self.kernels.attention == "csrc" else 0
+        # prompt rows take csrc's prefill kernel with the decode rows' where it takes the model
+        self._prefill_kernel = self._attention_kernel if attention.prefill_supported(config) else 0
+        self._row_index = attention.RowIndex()  # the plans' index rows, made once
         python = PythonLayers(config, self.layers, self.ops, dtype, self.device)
         self.loop = CLayers(config, self.layers, python, self.kernels.kernel) if self.kernels.layers == "c" else python
         self._logits = self._logits_f32 if isinstance(self.lm_head, BF16Linear) else self._logits_cast
@@ -256,7 +260,8 @@ class Decoder:
         """Run the batch, write its K/V into `cache`; float32 logits [rows, vocab]."""
         T = batch.input_ids.shape[0]
         plan = AttentionPlan(batch, cache, self.config, self.dtype, self.device, invariant=self.batch_invariant,
-                             decode_kernel=self._attention_kernel)
+                             decode_kernel=self._attention_kernel, prefill_kernel=self._prefill_kernel,
+                             index=self._row_index)
         ids, positions = batch.input_ids, batch.positions
         # Batch invariance: float32 linears round differently below _min_rows rows (see
         # the module docstring), so a short step runs on padding rows too; their
