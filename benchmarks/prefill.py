@@ -6,9 +6,9 @@ to a llama-server binary, `llama-server -m MODEL -t THREADS -c 32768 --jinja`), 
 each size sends one request to each server: POST /v1/chat/completions with max_tokens 1
 and the same body, shaped as Claude Code's first request (../shared/spec/clients.md):
 a system prompt that starts with a per-request billing header (so no prefix cache can
-serve it), ~25 tools with long descriptions and JSON Schemas, a user turn of text blocks
-with a <system-reminder>. The tools are repeated (with new names) until the prompt has
-about the size asked for. Both servers answer with llama-server's `timings` block;
+serve it) and lists tools with long descriptions and JSON Schemas, a user turn with a
+<system-reminder>. The tools are repeated (with new names) until the prompt has about
+the size asked for (the slope of two short requests' prompt tokens decides how many). Both servers answer with llama-server's `timings` block;
 prompt_n / prompt_ms is the prefill speed. Prints one line per size and server:
 
     prefill <size>: mashbox <prompt_n> tokens <seconds> s <tok/s> tok/s | llama-server ... | <x>x
@@ -17,22 +17,33 @@ and the load average beside each (a busy machine's figures are not the machine's
 
 Usage: python benchmarks/prefill.py [--model PATH] [--sizes 5000,10000,20000,30000]
        [--ctx 32768] [--threads 2] [--prefill-chunk N] [--timeout 1800]
+       [--profile]   (in process, no servers: where a prefill's time goes; below)
+
+--profile times one prefill chunk's forward of the default model (bfloat16, the kernels a
+server picks) at key offsets 0 .. 30k, and the attention alone of that chunk (every layer's
+call on csrc's prefill kernel, then on SDPA as the decoder ran it before), so that
+
+    profile chunk 512 at <offset>: forward <ms> = attention <ms> + the rest <ms> | sdpa attention <ms>
+
+and from those a 20k-token prompt's estimated prefill time in chunks of 256 .. 2048
+(attention grows with the offset, the rest does not).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
-import uuid
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # benchmarks/http.py
 sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+import uuid  # noqa: E402
 
 from mashbox import registry  # noqa: E402
 
@@ -63,16 +74,21 @@ def _tool(name: str, i: int) -> dict:
                        "properties": props, "required": list(props)[:2], "additionalProperties": False}}}
 
 
-def body(tools: int) -> dict:
+def body(tools: int, model: str) -> dict:
+    """The request: the tools are written into the system prompt as JSON (as a template
+    with tools renders them), not sent as `tools`: llama-server's rendering of the default
+    model's template drops a `tools` field, so both servers get the same text this way."""
+    specs = [_tool(TOOL_NAMES[i % len(TOOL_NAMES)], i // len(TOOL_NAMES)) for i in range(tools)]
     system = (f"x-anthropic-billing-header: cc_version=2.1; cch={uuid.uuid4().hex};\n"
               "You are Claude Code, Anthropic's official CLI for Claude. You are an interactive CLI tool "
-              "that helps users with software engineering tasks. " + DESCRIPTION * 6)
+              "that helps users with software engineering tasks. " + DESCRIPTION * 6
+              + "\n\n# Tools\n\nYou may call one or more of these functions:\n<tools>\n"
+              + "\n".join(json.dumps(t) for t in specs) + "\n</tools>")
     user = ("<system-reminder>\nAs you answer the user's questions, you can use the following context: "
             "# important-instruction-reminders\nDo what has been asked; nothing more, nothing less.\n"
             + DESCRIPTION * 8 + "\n</system-reminder>\n\nPlease look at the failing test in tests/ and fix it.")
-    return {"model": "mashbox", "max_tokens": 1, "temperature": 0, "stream": False,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
-            "tools": [_tool(TOOL_NAMES[i % len(TOOL_NAMES)], i // len(TOOL_NAMES)) for i in range(tools)]}
+    return {"model": model, "max_tokens": 1, "temperature": 0, "stream": False,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
 
 
 def post(port: int, path: str, payload: dict, timeout: float) -> dict:
@@ -103,19 +119,24 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float) -> None:
     raise SystemExit("server not ready in time")
 
 
+def model_id(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
 def tools_for(port: int, size: int, timeout: float) -> int:
     """Tools that bring the prompt to about `size` tokens: two short requests (0 and 8
     tools, their prompt tokens as the server's usage counts them) give the slope."""
     counts = []
     for n in (0, 8):
-        counts.append(post(port, "/v1/chat/completions", body(n), timeout)["usage"]["prompt_tokens"])
+        counts.append(post(port, "/v1/chat/completions", body(n, model_id(port)), timeout)["usage"]["prompt_tokens"])
     per_tool = (counts[1] - counts[0]) / 8
     return max(0, round((size - counts[0]) / per_tool))
 
 
 def prefill(port: int, tools: int, timeout: float) -> tuple[int, float]:
     """(prompt_n, seconds) of one request, from the server's timings."""
-    answer = post(port, "/v1/chat/completions", body(tools), timeout)
+    answer = post(port, "/v1/chat/completions", body(tools, model_id(port)), timeout)
     t = answer["timings"]
     return int(t["prompt_n"]), float(t["prompt_ms"]) / 1000.0
 
@@ -123,6 +144,77 @@ def prefill(port: int, tools: int, timeout: float) -> tuple[int, float]:
 def start(cmd: list[str], port: int, log_name: str) -> subprocess.Popen:
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), log_name), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def profile(args) -> None:
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from mashbox.model import attention, csrc, loader
+    from mashbox.model.decoder import Batch, Decoder
+    from mashbox.model.kv_cache import KVCache, key_width
+
+    torch.set_num_threads(args.threads)
+    model = args.model or str(registry.pull(registry.DEFAULT_MODEL_ID))
+    w = loader.load(model, torch.bfloat16, torch.device("cpu"))
+    c = w.config
+    dec = Decoder(c, w.tensors, torch.bfloat16, "cpu")
+    cache = KVCache(c, slots=1, ctx=args.ctx, dtype=torch.bfloat16, device=torch.device("cpu"))
+    cache.k.normal_(), cache.v.normal_()  # keys as a prompt would leave them (values do not change the time)
+    H, KV, D = c.num_heads, c.num_kv_heads, c.head_dim
+    G = H // KV
+    print(f"profile: {model} kernels {dec.kernels} threads {args.threads}", flush=True)
+
+    def best(fn, reps=2):
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def forward(n, start):
+        ids = torch.randint(0, c.vocab_size, (n,)).tolist()
+        return best(lambda: dec.forward(Batch.build([(0, start, ids)]), cache))
+
+    def att(n, start, own):
+        q = torch.randn(n, H * D).bfloat16()
+        out = torch.empty(n, H * D, dtype=torch.bfloat16)
+        k, v = cache.k[0], cache.v[0]
+        if own:
+            rows = [torch.tensor([x], dtype=torch.int64) for x in (0, 0, start, n)]
+            return best(lambda: [csrc.prefill_attention(q, *rows, H, KV, 0, 1 / math.sqrt(D), k, v, out,
+                                                        dec.kernels.kernel) for _ in range(c.num_layers)])
+        keys = key_width(start + n)
+        qpos = torch.arange(start, start + n).unsqueeze(1)
+        mask = torch.zeros(n, keys, dtype=torch.bfloat16).masked_fill_(
+            torch.arange(keys).unsqueeze(0) > qpos, float("-inf")).expand(G, n, keys).reshape(1, 1, G * n, keys)
+        qr = q.view(n, KV, G, D).permute(1, 2, 0, 3).reshape(1, KV, G * n, D)
+        return best(lambda: [F.scaled_dot_product_attention(qr, k[:1, :, :keys], v[:1, :, :keys], attn_mask=mask)
+                             for _ in range(c.num_layers)], reps=1)
+
+    own = attention.prefill_supported(c) and dec.kernels.attention == "csrc"
+    n = 512
+    fits = {}
+    for start in [s for s in (0, 5000, 10000, 20000, 30000) if s + n <= args.ctx]:
+        f, a = forward(n, start), att(n, start, own)
+        sd = att(n, start, False)
+        fits[start] = (f, a)
+        print(f"profile chunk {n} at {start}: forward {f * 1e3:.0f} ms = attention {a * 1e3:.0f} ms "
+              f"+ the rest {(f - a) * 1e3:.0f} ms | sdpa attention {sd * 1e3:.0f} ms   "
+              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
+    # attention per query grows with its keys: a per key-query rate from the longest offset
+    far = max(fits)
+    rate = fits[far][1] / (n * (far + n / 2))
+    for chunk in (256, 512, 1024, 2048):
+        rest = forward(chunk, 0) - att(chunk, 0, own)
+        total = sum(rest * min(chunk, 20000 - s0) / chunk + rate * min(chunk, 20000 - s0) * (s0 + chunk / 2)
+                    for s0 in range(0, 20000, chunk))
+        print(f"profile 20k prompt in chunks of {chunk}: ~{total:.0f} s (the rest {rest / chunk * 20000:.0f} s, "
+              f"attention {rate * 20000 ** 2 / 2:.0f} s)   (load average {os.getloadavg()[0]:.1f})", flush=True)
 
 
 def main() -> None:
@@ -133,7 +225,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefill-chunk", type=int, default=0, help="mashbox's --prefill-chunk (0: its default)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
+    ap.add_argument("--profile", action="store_true", help="in process: where a chunk's time goes")
     args = ap.parse_args()
+    if args.profile:
+        profile(args)
+        return
     model = args.model or str(registry.pull(registry.DEFAULT_MODEL_ID))
     sizes = [int(s) for s in args.sizes.split(",")]
     servers: list[tuple[str, subprocess.Popen, int]] = []
