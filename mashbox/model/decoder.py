@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from mashbox.model import attention
-from mashbox.model.attention_plan import AttentionPlan
+from mashbox.model.attention_plan import AttentionPlan, MaskArena
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse
@@ -148,6 +148,7 @@ class Decoder:
         # prompt rows take csrc's prefill kernel with the decode rows' where it takes the model
         self._prefill_kernel = self._attention_kernel if attention.prefill_supported(config) else 0
         self._row_index = attention.RowIndex()  # the plans' index rows, made once
+        self._masks = MaskArena(dtype, self.device)  # the SDPA path's masks, made once
         python = PythonLayers(config, self.layers, self.ops, dtype, self.device)
         self.loop = CLayers(config, self.layers, python, self.kernels.kernel) if self.kernels.layers == "c" else python
         self._logits = self._logits_f32 if isinstance(self.lm_head, BF16Linear) else self._logits_cast
@@ -261,7 +262,7 @@ class Decoder:
         T = batch.input_ids.shape[0]
         plan = AttentionPlan(batch, cache, self.config, self.dtype, self.device, invariant=self.batch_invariant,
                              decode_kernel=self._attention_kernel, prefill_kernel=self._prefill_kernel,
-                             index=self._row_index)
+                             index=self._row_index, masks=self._masks)
         ids, positions = batch.input_ids, batch.positions
         # Batch invariance: float32 linears round differently below _min_rows rows (see
         # the module docstring), so a short step runs on padding rows too; their
