@@ -28,15 +28,15 @@ Rules:
   depend on how its request was scheduled: whole or chunked prefill, its last prompt
   token recomputed alone after a prefix-cache hit, alone or beside other rows, in
   bfloat16 and float32 (bit-identical; measured on this project's CPU, see _MIN_ROWS).
-  Decode rows on csrc's attention depend on their own query and keys only. Elsewhere
-  three rules make it so: every row, prefill chunk or decode, attends through one masked
+  Decode rows and prompt rows on csrc's attention (decode and prefill kernels) depend on
+  their own query, keys and position only. On SDPA three rules make it so: every row, prefill chunk or decode, attends through one masked
   SDPA call over its slot's keys [0, kv_cache.key_width(end)): 128, or whole blocks of
   512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see
   fewer rows than the dtype's small-M threshold; and linears run on at least _MIN_ROWS
-  rows (padding rows otherwise; csrc's kernel needs none: its rows never meet). Where
-  decode rows take csrc's attention and prompt rows SDPA, a generated token's K/V can
-  differ in its last bits from the same token's computed as part of a later prompt that
-  misses the prefix cache; a hit reuses the generated token's own K/V. A sliding-window
+  rows (padding rows otherwise; csrc's kernel needs none: its rows never meet). The
+  decode and prefill kernels (or SDPA) keep different arithmetic, so a generated token's
+  K/V can differ in its last bits from the same token's computed as part of a later
+  prompt that misses the prefix cache; a hit reuses the generated token's own K/V. A sliding-window
   model reads keys from 0 too (masked outside its window). What invariance costs is
   measured by benchmarks/decode.py (README, speed).
   Without batch_invariant (the default on CUDA, where kernel launches dominate) decode
