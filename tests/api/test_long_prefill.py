@@ -135,17 +135,19 @@ def test_a_request_queued_behind_a_long_prefill_hears_from_the_server_at_once(st
 def test_long_prefills_at_once_take_turns_and_keep_a_decoding_request_going(start_mashbox):
     server = start_mashbox("--slots", "4", "--ctx", "2048")
     base = server.base_url
+    texts = [_long_text(700) for _ in range(3)]
+    assert min(_count_tokens(base, t) for t in texts) > 1000  # the premise: 2 or more chunks each
     # the decoding request: counting goes on past the prefills (~10 steps)
-    counting = _Stream(base, "/v1/completions", {"model": server.model_id, "max_tokens": 60, "stream": True,
+    counting = _Stream(base, "/v1/completions", {"model": server.model_id, "max_tokens": 100, "stream": True,
                                                  "prompt": "1, 2, 3, 4, 5, 6, 7, 8,"},
                        threading.Event(), first="data: {")
     counting.start()
     assert counting.started.wait(JOIN_S) and counting.error is None, counting.error
     prefills = []
-    for _ in range(3):  # in a known order: each one's head before the next is sent
+    for text in texts:  # in a known order: each one's head before the next is sent
         s = _Stream(base, "/v1/chat/completions", {
             "model": server.model_id, "max_tokens": 1, "stream": True,
-            "messages": [{"role": "user", "content": _long_text(700)}]}, threading.Event(), first="assistant")
+            "messages": [{"role": "user", "content": text}]}, threading.Event(), first="assistant")
         s.start()
         assert s.started.wait(JOIN_S) and s.error is None, s.error
         prefills.append(s)
@@ -155,8 +157,8 @@ def test_long_prefills_at_once_take_turns_and_keep_a_decoding_request_going(star
     firsts = [s.at('"finish_reason":"') for s in prefills]  # max_tokens 1: the answer is its one token
     assert all(t < float("inf") for t in firsts), [s.lines[-3:] for s in prefills]
     assert firsts == sorted(firsts), "a later prefill was answered before an earlier one"
-    # ~1.4k prompt tokens each: 8 or more steps of 512 between the first prefill's
+    # over 1k prompt tokens each: 6 or more steps of 512 between the first prefill's
     # arrival and the last one's answer, each with a decode row for the counting request
     tokens = [t for t, line in counting.lines if line.startswith("data: {")]
     during = [t for t in tokens if prefills[0].sent <= t <= firsts[-1]]
-    assert len(during) >= 6, f"{len(during)} tokens decoded while 3 long prefills ran"
+    assert len(during) >= 4, f"{len(during)} tokens decoded while 3 long prefills ran"
