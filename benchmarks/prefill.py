@@ -2,7 +2,9 @@
 and 30k tokens, against llama-server's prefill of the same GGUF when LLAMA_SERVER is set.
 
 Starts `python -m mashbox run MODEL --ctx 32768 --slots 1` (and, with LLAMA_SERVER=path
-to a llama-server binary, `llama-server -m MODEL -t THREADS -c 32768 --jinja`), then for
+to a llama-server binary, `llama-server -m MODEL -t THREADS -c 32768 --jinja -np 1
+--override-kv ARCH.context_length=int:32768`: it caps a slot at the trained length,
+8192 for the default model, otherwise), then for
 each size sends one request to each server: POST /v1/chat/completions with max_tokens 1
 and the same body, shaped as Claude Code's first request (../shared/spec/clients.md):
 a system prompt that starts with a per-request billing header (so no prefix cache can
@@ -42,10 +44,11 @@ import json  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
+import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 import uuid  # noqa: E402
 
-from mashbox import registry  # noqa: E402
+from mashbox import gguf_meta, registry  # noqa: E402
 
 TOOL_NAMES = ("Task", "Bash", "Glob", "Grep", "LS", "ExitPlanMode", "Read", "Edit", "MultiEdit", "Write",
               "NotebookEdit", "WebFetch", "TodoWrite", "WebSearch", "BashOutput", "KillShell", "SlashCommand",
@@ -243,8 +246,12 @@ def main() -> None:
         llama = os.environ.get("LLAMA_SERVER")
         if llama:
             lport = free_port()
+            # llama-server caps a slot's context at the GGUF's trained length (8192 for the
+            # default model) unless the file's context_length is overridden
+            arch = gguf_meta.read(model, tensors=False).get("general.architecture", "llama")
             servers.append(("llama-server", start([llama, "-m", model, "-t", str(args.threads), "-c", str(args.ctx),
-                                                   "--jinja", "--port", str(lport), "-np", "1"],
+                                                   "--jinja", "--port", str(lport), "-np", "1", "--override-kv",
+                                                   f"{arch}.context_length=int:{args.ctx}"],
                                                   lport, "prefill-llama.log"), lport))
         for _, proc, p in servers:
             wait_ready(p, proc, 600)
@@ -253,7 +260,10 @@ def main() -> None:
         for size in sizes:
             parts, speeds = [], []
             for name, _, p in servers:
-                n, secs = prefill(p, plan[size], args.timeout)
+                try:
+                    n, secs = prefill(p, plan[size], args.timeout)
+                except urllib.error.HTTPError as exc:
+                    raise SystemExit(f"{name} answered {exc.code} at {size} tokens: {exc.read()[:300]!r}") from None
                 speeds.append(n / secs)
                 parts.append(f"{name} {n} tokens {secs:.1f} s {n / secs:.0f} tok/s")
             ratio = f" | {speeds[0] / speeds[1]:.2f}x" if len(speeds) > 1 else ""
