@@ -26,6 +26,8 @@
 #include "mashbox.h"
 #include "bf16.h"
 
+#include <math.h>
+
 #define MB_ATT_LANES 16      /* float32 lanes of one dot product */
 #define MB_ATT_BLOCK 64      /* keys per online-softmax block */
 #define MB_ATT_MAX_GROUP 32  /* query heads per K/V head */
@@ -305,5 +307,396 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
     }
 #endif
     mb_att_worker(&j);
+    return MB_OK;
+}
+
+/* ==== Prefill attention: causal, tiled over queries and keys ====
+ *
+ * Why it exists: a 20k-token prompt's attention is ~14 TFLOP on the default model; SDPA's
+ * CPU kernel runs it on float32 arithmetic over padded key widths. Here each work item is
+ * one tile of MB_PF_Q consecutive queries of one prompt row and one K/V head (its group of
+ * query heads together), walked over its keys in blocks of MB_PF_BLOCK from key 0 with an
+ * online softmax, the dot products on AVX512-BF16's vdpbf16ps.
+ *
+ * Arithmetic (mashbox/native_ref.py's bf16_prefill_attention states the same rule in
+ * numpy; the tests compare bits). Per query at position p (keys k with k <= p and, with a
+ * window w > 0, k > p - w: the valid keys) and query head, float32, each operation
+ * rounded, denormal inputs and sums flushed to zero (vdpbf16ps' rules, as linear.c's):
+ *   s_k = dot(q, k_k) * scale, dot over head_dim pairs in order from 0:
+ *         s = s + q[2i+1] k[2i+1]; s = s + q[2i] k[2i];
+ *   blocks of MB_PF_BLOCK keys anchored at key 0; m starts at -inf, l and acc at 0; a
+ *         block whose largest valid score top > m scales l and acc by e(m - top) and sets
+ *         m = top; then p_k = bfloat16(e(s_k - m)) (nearest even) for a valid key, 0 for
+ *         any other; l = l + p_k key by key; acc = acc + p_{k+1} v_{k+1}, then
+ *         acc = acc + p_k v_k, over the block's key pairs (k even);
+ *   out = bfloat16(acc / l), nearest even.
+ * Blocks or keys a query has no valid key in add exact zeros, so a query's bits depend on
+ * its own vector, its keys and its position only (up to the sign of a zero output): not
+ * on the tile it lands in, the chunk it was prefilled in or the other rows of the call.
+ * (The decode kernel above keeps its own float32 rule: a generated token's K/V can differ
+ * in its last bits from the same token's computed as part of a prompt, as with SDPA.)
+ *
+ * Layout in a work item (AVX-512): lanes are the tile's queries. The queries as
+ * bfloat16 pairs qt [head_dim / 2][group][16]; the scores s [block keys][group][16]; the
+ * accumulators acc [group][head_dim][16]; each key's pair broadcast from the cache, each
+ * value pair (two keys' value at one dim) from vp [block / 2][head_dim].
+ *
+ * Threads: work items (row, query tile, K/V head), the last tiles of a row (most keys)
+ * first, handed out one at a time on the caller's OpenMP pool, as the decode kernel's. */
+
+#define MB_PF_Q 16          /* queries per tile: one float32 lane each */
+#define MB_PF_BLOCK 64      /* keys per online-softmax block, anchored at key 0 */
+#define MB_PF_MAX_GROUP 16  /* query heads per K/V head */
+#define MB_PF_MAX_GD 1024   /* group * head_dim */
+#define MB_PF_KB 8          /* keys per score micro-tile */
+#define MB_PF_DB 8          /* dims per value micro-tile */
+
+struct mb_pf_job {
+    const uint16_t *q;
+    int64_t ldq;
+    const int64_t *firsts, *slots, *starts, *lens;
+    int32_t t, heads, kv_heads, head_dim, window;
+    float scale;
+    const uint16_t *k_cache, *v_cache;
+    int32_t capacity;
+    uint16_t *out;
+    int64_t ldo;
+    int64_t items;
+    int64_t next; /* the next work item: atomically advanced */
+    void (*run)(const struct mb_pf_job *, int32_t r, int32_t tile, int32_t h);
+};
+
+static inline int mb_pf_valid(int64_t k, int64_t p, int32_t window) {
+    return k <= p && (window <= 0 || k > p - window);
+}
+
+/* First block (a multiple of MB_PF_BLOCK) holding a valid key of the tile's first query. */
+static inline int64_t mb_pf_klo(int64_t p0, int32_t window) {
+    int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    return lo - lo % MB_PF_BLOCK;
+}
+
+static inline float mb_pf_in(uint16_t b) { return mb_flush(mb_bf16_f32(b)); }
+
+MB_CLONES
+static void mb_pf_item(const struct mb_pf_job *j, int32_t r, int32_t tile, int32_t h) {
+    int32_t G = j->heads / j->kv_heads, D = j->head_dim;
+    int64_t start = j->starts[r], len = j->lens[r];
+    int32_t i0 = tile * MB_PF_Q, nq = len - i0 < MB_PF_Q ? (int32_t)(len - i0) : MB_PF_Q;
+    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
+    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
+    int64_t khi = start + i0 + nq, klo = mb_pf_klo(start + i0, j->window);
+    float s[MB_PF_BLOCK], p[MB_PF_BLOCK], acc[MB_ATT_MAX_DIM];
+    for (int32_t i = 0; i < nq; i++) {
+        int64_t pos = start + i0 + i, row = j->firsts[r] + i0 + i;
+        for (int32_t g = 0; g < G; g++) {
+            const uint16_t *qr = j->q + (size_t)row * j->ldq + (size_t)(h * G + g) * D;
+            float m = -INFINITY, l = 0.0f;
+            for (int32_t d = 0; d < D; d++)
+                acc[d] = 0.0f;
+            for (int64_t b = klo; b < khi; b += MB_PF_BLOCK) {
+                int32_t nk = khi - b < MB_PF_BLOCK ? (int32_t)(khi - b) : MB_PF_BLOCK;
+                float top = -INFINITY;
+                for (int32_t k = 0; k < nk; k++) {
+                    s[k] = -INFINITY;
+                    if (!mb_pf_valid(b + k, pos, j->window))
+                        continue;
+                    const uint16_t *kr = kh + (size_t)(b + k) * D;
+                    float dot = 0.0f;
+                    for (int32_t x = 0; x < D; x += 2) {
+                        dot = mb_flush(dot + mb_pf_in(qr[x + 1]) * mb_pf_in(kr[x + 1]));
+                        dot = mb_flush(dot + mb_pf_in(qr[x]) * mb_pf_in(kr[x]));
+                    }
+                    s[k] = dot * j->scale;
+                    top = s[k] > top ? s[k] : top;
+                }
+                if (top > m) {
+                    float c = mb_exp(m - top);
+                    l = l * c;
+                    for (int32_t d = 0; d < D; d++)
+                        acc[d] = acc[d] * c;
+                    m = top;
+                }
+                for (int32_t k = 0; k < nk; k++)
+                    p[k] = mb_pf_valid(b + k, pos, j->window) ? mb_bf16_f32(mb_round_bf16(mb_exp(s[k] - m))) : 0.0f;
+                for (int32_t k = 0; k < nk; k++)
+                    l = l + p[k];
+                for (int32_t k = 0; k < nk; k += 2) {
+                    const uint16_t *v0 = vh + (size_t)(b + k) * D, *v1 = v0 + D;
+                    float p1 = k + 1 < nk ? p[k + 1] : 0.0f;
+                    for (int32_t d = 0; d < D; d++) {
+                        float odd = k + 1 < nk ? p1 * mb_pf_in(v1[d]) : 0.0f;
+                        acc[d] = mb_flush(acc[d] + odd);
+                        acc[d] = mb_flush(acc[d] + p[k] * mb_pf_in(v0[d]));
+                    }
+                }
+            }
+            uint16_t *o = j->out + (size_t)row * j->ldo + (size_t)(h * G + g) * D;
+            for (int32_t d = 0; d < D; d++)
+                o[d] = mb_round_bf16(acc[d] / l);
+        }
+    }
+}
+
+#if MB_ATT_HAVE_AVX512
+#define MB_PF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* The dim that place d of a value pair row holds when 32 dims are interleaved by
+ * unpacklo / unpackhi (4 dims of each 128-bit lane at a time). */
+static inline int32_t mb_pf_dim(int32_t d) {
+    int32_t c = d & ~31, j = d & 31, h = j >= 16, w = j & 15;
+    return c + 8 * (w / 4) + 4 * h + w % 4;
+}
+#undef MB_PF_TARGET
+#define MB_PF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* Scores of GB query heads (from g0) x MB_PF_KB keys krow[]: s [keys][group][16]. */
+static inline __attribute__((always_inline)) MB_PF_TARGET void
+mb_pf_scores(const uint32_t *qt, int32_t G, int32_t g0, const int GB, const uint16_t *const *krow, int32_t P,
+             float *s, __m512 scale) {
+    __m512 acc[3][MB_PF_KB];
+    for (int gg = 0; gg < GB; gg++)
+        for (int kk = 0; kk < MB_PF_KB; kk++)
+            acc[gg][kk] = _mm512_setzero_ps();
+    for (int32_t x = 0; x < P; x++) {
+        __m512bh qv[3];
+        for (int gg = 0; gg < GB; gg++)
+            qv[gg] = (__m512bh)_mm512_load_si512(qt + ((size_t)x * G + g0 + gg) * MB_PF_Q);
+        for (int kk = 0; kk < MB_PF_KB; kk++) {
+            int32_t pair;
+            memcpy(&pair, krow[kk] + 2 * x, 4);
+            __m512bh kb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int gg = 0; gg < GB; gg++)
+                acc[gg][kk] = _mm512_dpbf16_ps(acc[gg][kk], qv[gg], kb);
+        }
+    }
+    for (int gg = 0; gg < GB; gg++)
+        for (int kk = 0; kk < MB_PF_KB; kk++)
+            _mm512_store_ps(s + ((size_t)kk * G + g0 + gg) * MB_PF_Q, _mm512_mul_ps(acc[gg][kk], scale));
+}
+
+/* acc [group][head_dim][16] += the block's p x v for GB query heads (from g0) and
+ * MB_PF_DB dims (from d0): pp [pairs][group][16] probability pairs, vp [pairs][head_dim]. */
+static inline __attribute__((always_inline)) MB_PF_TARGET void
+mb_pf_values(float *acc, const uint32_t *pp, const uint32_t *vp, int32_t G, int32_t D, int32_t g0, const int GB,
+             int32_t d0, int32_t pairs) {
+    __m512 a[3][MB_PF_DB];
+    for (int gg = 0; gg < GB; gg++)
+        for (int dd = 0; dd < MB_PF_DB; dd++)
+            a[gg][dd] = _mm512_load_ps(acc + ((size_t)(g0 + gg) * D + d0 + dd) * MB_PF_Q);
+    for (int32_t x = 0; x < pairs; x++) {
+        __m512bh pv[3];
+        for (int gg = 0; gg < GB; gg++)
+            pv[gg] = (__m512bh)_mm512_load_si512(pp + ((size_t)x * G + g0 + gg) * MB_PF_Q);
+        for (int dd = 0; dd < MB_PF_DB; dd++) {
+            __m512bh vb = (__m512bh)_mm512_set1_epi32((int32_t)vp[(size_t)x * D + d0 + dd]);
+            for (int gg = 0; gg < GB; gg++)
+                a[gg][dd] = _mm512_dpbf16_ps(a[gg][dd], pv[gg], vb);
+        }
+    }
+    for (int gg = 0; gg < GB; gg++)
+        for (int dd = 0; dd < MB_PF_DB; dd++)
+            _mm512_store_ps(acc + ((size_t)(g0 + gg) * D + d0 + dd) * MB_PF_Q, a[gg][dd]);
+}
+
+static MB_PF_TARGET void mb_pf_item_avx512(const struct mb_pf_job *j, int32_t r, int32_t tile, int32_t h) {
+    int32_t G = j->heads / j->kv_heads, D = j->head_dim, P = D / 2;
+    int64_t start = j->starts[r], len = j->lens[r];
+    int32_t i0 = tile * MB_PF_Q, nq = len - i0 < MB_PF_Q ? (int32_t)(len - i0) : MB_PF_Q;
+    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
+    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
+    int64_t p0 = start + i0, khi = p0 + nq, klo = mb_pf_klo(p0, j->window);
+    uint32_t qt[MB_PF_MAX_GD / 2 * MB_PF_Q] __attribute__((aligned(64)));
+    float acc[MB_PF_MAX_GD * MB_PF_Q] __attribute__((aligned(64)));
+    float s[MB_PF_BLOCK * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
+    uint32_t pp[MB_PF_BLOCK / 2 * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
+    uint32_t vp[MB_PF_BLOCK / 2 * MB_ATT_MAX_DIM] __attribute__((aligned(64)));
+    __m512 m[MB_PF_MAX_GROUP], l[MB_PF_MAX_GROUP];
+    /* padding lanes (i >= nq) take the last query's place and vector; never stored */
+    for (int32_t i = 0; i < MB_PF_Q; i++) {
+        int32_t ii = i < nq ? i : nq - 1;
+        const uint16_t *qr = j->q + (size_t)(j->firsts[r] + i0 + ii) * j->ldq + (size_t)h * G * D;
+        for (int32_t g = 0; g < G; g++)
+            for (int32_t x = 0; x < P; x++) {
+                uint32_t pair;
+                memcpy(&pair, qr + (size_t)g * D + 2 * x, 4);
+                qt[((size_t)x * G + g) * MB_PF_Q + i] = pair;
+            }
+    }
+    for (size_t e = 0; e < (size_t)G * D * MB_PF_Q; e += 16)
+        _mm512_store_ps(acc + e, _mm512_setzero_ps());
+    for (int32_t g = 0; g < G; g++)
+        m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
+    const __m512 scale = _mm512_set1_ps(j->scale), one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* word 2i: i, 2i + 1: 16 + i */
+    const __m512i hi16 = _mm512_set1_epi32((int32_t)0xffff0000u);
+    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)p0), lane),
+                                         _mm512_set1_epi32((int32_t)(khi - 1)));
+    const __m512i wlo = _mm512_sub_epi32(pos, _mm512_set1_epi32(j->window)); /* valid: k > wlo */
+    for (int64_t b = klo; b < khi; b += MB_PF_BLOCK) {
+        int32_t nk = khi - b < MB_PF_BLOCK ? (int32_t)(khi - b) : MB_PF_BLOCK;
+        /* scores; keys past khi (at most MB_PF_KB - 1 of them) read key khi - 1 again */
+        for (int32_t k0 = 0; k0 < nk; k0 += MB_PF_KB) {
+            const uint16_t *krow[MB_PF_KB];
+            for (int kk = 0; kk < MB_PF_KB; kk++)
+                krow[kk] = kh + (size_t)(b + (k0 + kk < nk ? k0 + kk : nk - 1)) * D;
+            int32_t g = 0;
+            for (; g + 3 <= G; g += 3)
+                mb_pf_scores(qt, G, g, 3, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+            if (G - g == 2)
+                mb_pf_scores(qt, G, g, 2, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+            else if (G - g == 1)
+                mb_pf_scores(qt, G, g, 1, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+        }
+        __mmask16 valid[MB_PF_BLOCK];
+        for (int32_t k = 0; k < nk; k++) {
+            __m512i kv = _mm512_set1_epi32((int32_t)(b + k));
+            __mmask16 v = _mm512_cmp_epi32_mask(kv, pos, _MM_CMPINT_LE);
+            if (j->window > 0)
+                v &= _mm512_cmp_epi32_mask(kv, wlo, _MM_CMPINT_NLE);
+            valid[k] = v;
+        }
+        int32_t pairs = (nk + 1) / 2;
+        /* every key of the block valid for every query of the tile: no masks to apply */
+        int full = b + nk - 1 <= p0 && (j->window <= 0 || b > khi - 1 - j->window);
+        for (int32_t g = 0; g < G; g++) {
+            __m512 top = ninf;
+            if (full)
+                for (int32_t k = 0; k < nk; k++)
+                    top = _mm512_max_ps(top, _mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q));
+            else
+                for (int32_t k = 0; k < nk; k++) {
+                    float *sk = s + ((size_t)k * G + g) * MB_PF_Q;
+                    __m512 sv = _mm512_mask_blend_ps(valid[k], ninf, _mm512_load_ps(sk));
+                    _mm512_store_ps(sk, sv);
+                    top = _mm512_max_ps(top, sv);
+                }
+            __mmask16 up = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
+            if (up) {
+                __m512 c = _mm512_mask_blend_ps(up, one, mb_exp16(_mm512_sub_ps(m[g], top)));
+                l[g] = _mm512_mul_ps(l[g], c);
+                float *ag = acc + (size_t)g * D * MB_PF_Q;
+                for (int32_t d = 0; d < D; d++)
+                    _mm512_store_ps(ag + (size_t)d * MB_PF_Q, _mm512_mul_ps(_mm512_load_ps(ag + (size_t)d * MB_PF_Q), c));
+                m[g] = _mm512_mask_blend_ps(up, m[g], top);
+            }
+            for (int32_t x = 0; x < pairs; x++) {
+                int32_t k = 2 * x;
+                __m512 e0 = mb_exp16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q), m[g]));
+                __m512 e1 = _mm512_setzero_ps();
+                if (k + 1 < nk)
+                    e1 = mb_exp16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)(k + 1) * G + g) * MB_PF_Q), m[g]));
+                if (!full) {
+                    e0 = _mm512_maskz_mov_ps(valid[k], e0);
+                    e1 = k + 1 < nk ? _mm512_maskz_mov_ps(valid[k + 1], e1) : e1;
+                }
+                /* nearest even, as mb_round_bf16 (e is 0 or normal); key k's in the low half */
+                __m512i pair = _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                _mm512_store_si512(pp + ((size_t)x * G + g) * MB_PF_Q, pair);
+                l[g] = _mm512_add_ps(l[g], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+                if (k + 1 < nk)
+                    l[g] = _mm512_add_ps(l[g], _mm512_castsi512_ps(_mm512_and_si512(pair, hi16)));
+            }
+        }
+        /* value pairs (keys past khi are zeros): with head_dim a multiple of 32, 32 dims
+         * at a time in unpack order (mb_pf_dim), else in dim order */
+        for (int32_t x = 0; x < pairs; x++) {
+            const uint16_t *v0 = vh + (size_t)(b + 2 * x) * D, *v1 = v0 + D;
+            int odd = 2 * x + 1 < nk;
+            if (D % 32 == 0)
+                for (int32_t c = 0; c < D; c += 32) {
+                    __m512i a = _mm512_loadu_si512(v0 + c), z = odd ? _mm512_loadu_si512(v1 + c) : _mm512_setzero_si512();
+                    _mm512_store_si512(vp + (size_t)x * D + c, _mm512_unpacklo_epi16(a, z));
+                    _mm512_store_si512(vp + (size_t)x * D + c + 16, _mm512_unpackhi_epi16(a, z));
+                }
+            else
+                for (int32_t d = 0; d < D; d++)
+                    vp[(size_t)x * D + d] = (uint32_t)v0[d] | (odd ? (uint32_t)v1[d] << 16 : 0u);
+        }
+        for (int32_t d0 = 0; d0 < D; d0 += MB_PF_DB) {
+            int32_t g = 0;
+            for (; g + 3 <= G; g += 3)
+                mb_pf_values(acc, pp, vp, G, D, g, 3, d0, pairs);
+            if (G - g == 2)
+                mb_pf_values(acc, pp, vp, G, D, g, 2, d0, pairs);
+            else if (G - g == 1)
+                mb_pf_values(acc, pp, vp, G, D, g, 1, d0, pairs);
+        }
+    }
+    for (int32_t g = 0; g < G; g++) {
+        float lv[MB_PF_Q];
+        _mm512_storeu_ps(lv, l[g]);
+        for (int32_t i = 0; i < nq; i++) {
+            uint16_t *o = j->out + (size_t)(j->firsts[r] + i0 + i) * j->ldo + (size_t)(h * G + g) * D;
+            for (int32_t d = 0; d < D; d++)
+                o[D % 32 == 0 ? mb_pf_dim(d) : d] = mb_round_bf16(acc[((size_t)g * D + d) * MB_PF_Q + i] / lv[i]);
+        }
+    }
+}
+#endif
+
+static void mb_pf_worker(void *data) {
+    struct mb_pf_job *j = (struct mb_pf_job *)data;
+    for (;;) {
+#ifdef MB_ATOMICS
+        int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+#else
+        int64_t item = j->next++;
+#endif
+        if (item >= j->items)
+            return;
+        int32_t r = 0;
+        for (;; r++) { /* rows in order; within a row its last tiles (most keys) first */
+            int64_t n = (j->lens[r] + MB_PF_Q - 1) / MB_PF_Q * j->kv_heads;
+            if (item < n)
+                break;
+            item -= n;
+        }
+        int32_t tiles = (int32_t)((j->lens[r] + MB_PF_Q - 1) / MB_PF_Q);
+        j->run(j, r, tiles - 1 - (int32_t)(item / j->kv_heads), (int32_t)(item % j->kv_heads));
+    }
+}
+
+int mb_bf16_prefill_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t *firsts,
+                              const int64_t *slots, const int64_t *starts, const int64_t *lens, int32_t t,
+                              int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t window, float scale,
+                              const uint16_t *k_cache, const uint16_t *v_cache, int32_t n_slots,
+                              int32_t capacity, uint16_t *out, int64_t ldo, int32_t kernel, void *parallel,
+                              int32_t threads) {
+    if (t < 0 || heads < 1 || kv_heads < 1 || heads % kv_heads || heads / kv_heads > MB_PF_MAX_GROUP ||
+        head_dim < MB_ATT_LANES || head_dim % MB_ATT_LANES || head_dim > MB_ATT_MAX_DIM ||
+        (int64_t)(heads / kv_heads) * head_dim > MB_PF_MAX_GD || ldq < (int64_t)heads * head_dim ||
+        ldo < (int64_t)heads * head_dim || n_slots < 1 || capacity < 1)
+        return MB_EINVAL;
+    int64_t items = 0;
+    for (int32_t r = 0; r < t; r++) {
+        if (lens[r] < 1 || firsts[r] < 0 || firsts[r] > n_q - lens[r] || slots[r] < 0 || slots[r] >= n_slots ||
+            starts[r] < 0 || starts[r] > capacity - lens[r])
+            return MB_EINVAL;
+        items += (lens[r] + MB_PF_Q - 1) / MB_PF_Q * kv_heads;
+    }
+    struct mb_pf_job j;
+    memset(&j, 0, sizeof j);
+    j.q = q, j.ldq = ldq, j.firsts = firsts, j.slots = slots, j.starts = starts, j.lens = lens, j.t = t;
+    j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window, j.scale = scale;
+    j.k_cache = k_cache, j.v_cache = v_cache, j.capacity = capacity, j.out = out, j.ldo = ldo;
+    j.items = items;
+    if (kernel == MB_KERNEL_PORTABLE)
+        j.run = mb_pf_item;
+#if MB_ATT_HAVE_AVX512
+    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        j.run = mb_pf_item_avx512;
+#endif
+    else
+        return MB_EINVAL;
+#ifdef MB_ATOMICS
+    if (parallel != NULL && threads > 1 && items > 1) {
+        ((mb_parallel_fn)parallel)(mb_pf_worker, &j, (unsigned)threads, 0);
+        return MB_OK;
+    }
+#endif
+    mb_pf_worker(&j);
     return MB_OK;
 }

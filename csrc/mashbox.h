@@ -190,6 +190,22 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
 
+/* Prefill attention (csrc/attention.c states the arithmetic): for each of t prompt rows,
+ * its lens[r] queries q[firsts[r] + i] (bfloat16 [heads, head_dim], rows ldq apart, n_q of
+ * them) at positions starts[r] + i attend causally over the keys of slot slots[r] in the
+ * caches [n_slots, kv_heads, capacity, head_dim] (those keys already written), keys
+ * (p - window, p] when window > 0; results to out[firsts[r] + i] (rows ldo apart). A
+ * query's bits depend on its own vector, keys and position only. kernel, parallel and
+ * threads as mb_bf16_attention's. MB_EINVAL for a row out of range, heads not a multiple
+ * of kv_heads or over 16 per K/V head, head_dim not a multiple of 16 or over 256, or
+ * group * head_dim over 1024. */
+int mb_bf16_prefill_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t *firsts,
+                              const int64_t *slots, const int64_t *starts, const int64_t *lens, int32_t t,
+                              int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t window, float scale,
+                              const uint16_t *k_cache, const uint16_t *v_cache, int32_t n_slots,
+                              int32_t capacity, uint16_t *out, int64_t ldo, int32_t kernel, void *parallel,
+                              int32_t threads);
+
 /* One decoder layer's weights for mb_bf16_decode_layers (addresses in the model's own
  * buffers): RMS norm weights bfloat16 [hidden]; linears packed by mb_bf16_pack or in
  * GGUF blocks (their *_type); biases float32 or NULL. */

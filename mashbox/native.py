@@ -437,6 +437,45 @@ def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.
                        out.shape[1], bf16_kernel() if kernel is None else kernel, 0, 1)
 
 
+def bf16_prefill_attention_ptr(q: int, ldq: int, n_q: int, firsts: int, slots: int, starts: int, lens: int,
+                               t: int, heads: int, kv_heads: int, head_dim: int, window: int, scale: float,
+                               k_cache: int, v_cache: int, n_slots: int, capacity: int, out: int, ldo: int,
+                               kernel: int, parallel: int, threads: int) -> None:
+    """mb_bf16_prefill_attention on addresses (parallel 0: the calling thread); see csrc/mashbox.h."""
+    u16, i64 = "uint16_t *", "int64_t *"
+    _check(_lib.mb_bf16_prefill_attention(
+        _ffi.cast(u16, q), ldq, n_q, _ffi.cast(i64, firsts), _ffi.cast(i64, slots), _ffi.cast(i64, starts),
+        _ffi.cast(i64, lens), t, heads, kv_heads, head_dim, window, scale, _ffi.cast(u16, k_cache),
+        _ffi.cast(u16, v_cache), n_slots, capacity, _ffi.cast(u16, out), ldo, kernel,
+        _ffi.cast("void *", parallel), threads), "bf16_prefill_attention")
+
+
+def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray, starts: np.ndarray,
+                           lens: np.ndarray, heads: int, kv_heads: int, window: int, scale: float,
+                           k_cache: np.ndarray, v_cache: np.ndarray, out: np.ndarray,
+                           kernel: int | None = None) -> None:
+    """native_ref.bf16_prefill_attention through C (q, out uint16[n, width]; caches
+    uint16[n_slots, kv_heads, capacity, head_dim], all C-contiguous; out written in place),
+    on the calling thread, with `kernel` (default the fastest here)."""
+    q = _array(q, np.uint16, "q", 2)
+    _array(out, np.uint16, "out", 2, writable=True)
+    k_cache = _array(k_cache, np.uint16, "k_cache", 4)
+    v_cache = _array(v_cache, np.uint16, "v_cache", 4)
+    firsts, slots, starts, lens = (_array(a, np.int64, name, 1) for a, name in (
+        (firsts, "firsts"), (slots, "slots"), (starts, "starts"), (lens, "lens")))
+    if not len(firsts) == len(slots) == len(starts) == len(lens):
+        raise ValueError("firsts, slots, starts and lens must have one entry per row")
+    if _lib is None:
+        native_ref.bf16_prefill_attention(q, firsts, slots, starts, lens, heads, kv_heads, window, scale,
+                                          k_cache, v_cache, out)
+        return
+    n_slots, _, capacity, head_dim = k_cache.shape
+    bf16_prefill_attention_ptr(q.ctypes.data, q.shape[1], q.shape[0], firsts.ctypes.data, slots.ctypes.data,
+                               starts.ctypes.data, lens.ctypes.data, len(firsts), heads, kv_heads, head_dim,
+                               window, scale, k_cache.ctypes.data, v_cache.ctypes.data, n_slots, capacity,
+                               out.ctypes.data, out.shape[1], bf16_kernel() if kernel is None else kernel, 0, 1)
+
+
 def bf16_silu_mul_ptr(x: int, ldx: int, m: int, n: int, out: int, ldo: int) -> None:
     """mb_bf16_silu_mul on addresses; see csrc/mashbox.h."""
     _check(_lib.mb_bf16_silu_mul(_ffi.cast("uint16_t *", x), ldx, m, n, _ffi.cast("uint16_t *", out), ldo),

@@ -61,6 +61,12 @@ float32 dot products in 16 lanes, an online softmax over blocks of 64 keys with 
 exp (`att_exp`, float32 operations that numpy and C both round alike), the output
 rounded once to bfloat16. A row depends on its own query, keys and end only.
 The MLP's activation (`bf16_silu_mul`) takes the same exp.
+
+Prefill attention (`bf16_prefill_attention`; csrc/attention.c states the rule): causal,
+per query head, dot products of bfloat16 pairs summed as vdpbf16ps does (as the
+linears'), an online softmax over blocks of 64 keys from key 0 with att_exp, each
+probability rounded to bfloat16 before it weighs its value (vdpbf16ps again). A query
+depends on its own vector, keys and position only.
 """
 from __future__ import annotations
 
@@ -467,6 +473,61 @@ def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.
                             l = f(l + p[i])
                             acc = acc + p[i] * vf[b + i]
                     out[rows[r], head * D:(head + 1) * D] = f32_to_bf16(acc / l)
+
+
+PF_BLOCK = 64  # keys per online-softmax block of the prefill kernel, anchored at key 0
+
+
+def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray, starts: np.ndarray,
+                           lens: np.ndarray, heads: int, kv_heads: int, window: int, scale: float,
+                           k_cache: np.ndarray, v_cache: np.ndarray, out: np.ndarray) -> None:
+    """As mb_bf16_prefill_attention (csrc/attention.c states the rule): row r's queries
+    q[firsts[r] + i] (uint16[n_q, >= heads * D] bfloat16 bits) at positions starts[r] + i
+    attend causally over slot slots[r]'s keys (caches uint16[n_slots, kv_heads, capacity,
+    D]), bfloat16 pair products summed as vdpbf16ps does, probabilities rounded to
+    bfloat16; writes out[firsts[r] + i, :heads * D]."""
+    D = k_cache.shape[3]
+    G = heads // kv_heads
+    f = np.float32
+    for r in range(len(firsts)):
+        n, start, first = int(lens[r]), int(starts[r]), int(firsts[r])
+        end = start + n
+        pos = np.arange(start, end)[:, None]  # [n, 1]
+        kpos = np.arange(end)[None, :]  # [1, end]
+        valid = kpos <= pos  # [n, end]
+        if window > 0:
+            valid &= kpos > pos - window
+        for h in range(kv_heads):
+            kf = _flush(bf16_to_f32(k_cache[slots[r], h, :end]))  # [end, D]
+            vf = _flush(bf16_to_f32(v_cache[slots[r], h, :end]))
+            for g in range(G):
+                head = h * G + g
+                qf = _flush(bf16_to_f32(q[first:first + n, head * D:(head + 1) * D]))  # [n, D]
+                with np.errstate(all="ignore"):
+                    s = np.zeros((n, end), dtype=np.float32)
+                    for x in range(0, D, 2):
+                        s = _flush(s + np.multiply.outer(qf[:, x + 1], kf[:, x + 1]))
+                        s = _flush(s + np.multiply.outer(qf[:, x], kf[:, x]))
+                    s = np.where(valid, s * f(scale), f(-np.inf))
+                    m = np.full(n, -np.inf, dtype=np.float32)
+                    l = np.zeros(n, dtype=np.float32)
+                    acc = np.zeros((n, D), dtype=np.float32)
+                    for b in range(0, end, PF_BLOCK):
+                        block, ok = s[:, b:b + PF_BLOCK], valid[:, b:b + PF_BLOCK]
+                        top = block.max(axis=1)
+                        up = top > m
+                        c = att_exp(np.where(up, m - top, f(0.0)))
+                        l = np.where(up, l * c, l)
+                        acc = np.where(up[:, None], acc * c[:, None], acc)
+                        m = np.where(up, top, m)
+                        p = np.where(ok, bf16_to_f32(f32_to_bf16(att_exp(block - m[:, None]))), f(0.0))
+                        for k in range(p.shape[1]):
+                            l = (l + p[:, k]).astype(np.float32)
+                        for k in range(0, p.shape[1], 2):
+                            if k + 1 < p.shape[1]:
+                                acc = _flush(acc + p[:, k + 1, None] * vf[b + k + 1][None, :])
+                            acc = _flush(acc + p[:, k, None] * vf[b + k][None, :])
+                    out[first:first + n, head * D:(head + 1) * D] = f32_to_bf16(acc / l[:, None])
 
 
 def bf16_silu_mul(x: np.ndarray) -> np.ndarray:

@@ -1,10 +1,20 @@
-"""Decode attention on the CPU: csrc's mb_bf16_attention for the rows that feed a token the
-model generated (one query per row) in bfloat16.
+"""Attention on the CPU in csrc, bfloat16: decode rows (DecodeRows) and prompt rows
+(PrefillRows), each kind in one call per layer.
 
-Each query attends alone over its own keys, with a fixed arithmetic (csrc/attention.c),
-so a row's bits never depend on the rows beside it, and one call serves every decode row
-of a layer; for short rows it is several times faster than SDPA (README, speed). Prompt
-rows keep SDPA (attention_plan.py): over long prompts its blocked gemms are the faster.
+- Decode rows (a token the model generated, one query per row): mb_bf16_attention, each
+  query alone over its own keys in float32; for short rows several times faster than SDPA
+  (README, speed).
+- Prompt rows (prefill chunks, a prompt's last token recomputed alone):
+  mb_bf16_prefill_attention, causal, tiled over 16 queries and blocks of 64 keys, the dot
+  products in bfloat16 pairs (vdpbf16ps); over a 20k-token prompt about twice SDPA's speed
+  (benchmarks/prefill.py). Models it cannot take (prefill_supported) keep SDPA for them.
+Both have a fixed arithmetic (csrc/attention.c), so a query's bits depend on its own
+vector, keys and position only: never on the rows beside it or how its prompt was
+chunked. The two rules differ: a generated token's K/V can differ in its last bits from
+the same token's computed as part of a later prompt (decoder.py's docstring).
+
+Index tensors: one RowIndex per decoder, made once and refilled per step (no tensor is
+allocated per step); the rows of a step are views of it.
 
 Tensor shapes: q [T, heads, head_dim] (rows any stride, heads and dims packed); caches
 [slots, kv_heads, capacity, head_dim]; out [T', heads * head_dim] contiguous.
@@ -21,6 +31,8 @@ from mashbox.model.model_config import ModelConfig
 
 MAX_GROUP = 32  # query heads per K/V head (csrc/attention.c)
 MAX_HEAD_DIM = 256
+PREFILL_MAX_GROUP = 16  # the prefill kernel's (csrc/attention.c)
+PREFILL_MAX_GROUP_DIM = 1024  # group * head_dim
 
 
 def supported(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
@@ -32,19 +44,46 @@ def supported(c: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
             and c.num_heads % c.num_kv_heads == 0 and c.num_heads // c.num_kv_heads <= MAX_GROUP)
 
 
+def prefill_supported(c: ModelConfig) -> bool:
+    """Beyond supported(): the prefill kernel takes up to 16 query heads per K/V head and
+    group * head_dim up to 1024."""
+    group = c.num_heads // c.num_kv_heads
+    return group <= PREFILL_MAX_GROUP and group * c.head_dim <= PREFILL_MAX_GROUP_DIM
+
+
+class RowIndex:
+    """The int64 index rows of one step's csrc attention, made once per decoder: [4, rows]
+    grown only when a step has more rows than any before (at most the step's tokens), so
+    a step fills it in place instead of making tensors."""
+
+    def __init__(self) -> None:
+        self._buf = torch.zeros(2, 4, 0, dtype=torch.int64)  # [decode | prefill, 4 fields, rows]
+
+    def fill(self, which: int, fields: list[list[int]]) -> list[torch.Tensor]:
+        """Views [n] of row `which`'s fields (0: decode, 1: prefill), filled from `fields`
+        (up to 4 lists of n ints)."""
+        n = len(fields[0])
+        if self._buf.shape[2] < n:
+            grown = torch.zeros(2, 4, max(n, 2 * self._buf.shape[2]), dtype=torch.int64)
+            grown[:, :, :self._buf.shape[2]] = self._buf
+            self._buf = grown
+        view = self._buf[which]
+        view.numpy()[:len(fields), :n] = fields
+        return [view[i, :n] for i in range(len(fields))]
+
+
 class DecodeRows:
     """One forward's decode rows (made once, used by every layer): rows[i] is the row's
     token in the step, slots[i] its slot, ends[i] its position + 1 (keys [0, end))."""
 
     __slots__ = ("count", "rows", "slots", "ends", "scale", "window", "kernel")
 
-    def __init__(self, rows: list[tuple[int, int, int]], c: ModelConfig, kernel: int) -> None:
-        """rows: (token index, slot, end) of each decode row; kernel: a native.KERNEL_*."""
+    def __init__(self, rows: list[tuple[int, int, int]], c: ModelConfig, kernel: int, index: RowIndex) -> None:
+        """rows: (token index, slot, end) of each decode row; kernel: a native.KERNEL_*;
+        index: the decoder's RowIndex (rows, slots and ends are views of it, [n] each)."""
         self.kernel = kernel
         self.count = len(rows)
-        self.rows = torch.tensor([r[0] for r in rows], dtype=torch.int64)  # [n]
-        self.slots = torch.tensor([r[1] for r in rows], dtype=torch.int64)  # [n]
-        self.ends = torch.tensor([r[2] for r in rows], dtype=torch.int64)  # [n]
+        self.rows, self.slots, self.ends = index.fill(0, [list(f) for f in zip(*rows)])
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.window = c.sliding_window or 0
 
@@ -57,3 +96,30 @@ class DecodeRows:
         # heads and dims packed: q's rows as [T, heads * head_dim], the same addresses
         csrc.attention(q.as_strided((T, H * D), (q.stride(0), 1)), self.rows, self.slots, self.ends, H, int(k_cache.shape[1]), self.window, self.scale,
                        k_cache, v_cache, out, self.kernel)
+
+
+class PrefillRows:
+    """One forward's prompt rows (made once, used by every layer): row r's tokens
+    firsts[r] .. firsts[r] + lens[r] of the step sit at positions starts[r] + i of slot
+    slots[r]; each attends causally over its slot's keys."""
+
+    __slots__ = ("count", "firsts", "slots", "starts", "lens", "scale", "window", "kernel")
+
+    def __init__(self, rows: list[tuple[int, int, int, int]], c: ModelConfig, kernel: int,
+                 index: RowIndex) -> None:
+        """rows: (first token, slot, start, len) of each prompt row; kernel: a native.KERNEL_*."""
+        self.kernel = kernel
+        self.count = len(rows)
+        self.firsts, self.slots, self.starts, self.lens = index.fill(1, [list(f) for f in zip(*rows)])
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.window = c.sliding_window or 0
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """out[firsts[r] + i] = causal attention of that query over its slot's keys."""
+        T, H, D = q.shape
+        if q.stride(2) != 1 or q.stride(1) != D:
+            q = q.contiguous()
+        csrc.prefill_attention(q.as_strided((T, H * D), (q.stride(0), 1)), self.firsts, self.slots, self.starts,
+                               self.lens, H, int(k_cache.shape[1]), self.window, self.scale, k_cache, v_cache,
+                               out, self.kernel)

@@ -2,7 +2,8 @@
 
 Rules (decoder.py's docstring states why):
 - Decode rows (Batch.row_decode) on csrc's kernel (model/attention.py) where the
-  decoder chose it: each query alone over its own keys, one call for all of them.
+  decoder chose it: each query alone over its own keys, one call for all of them; every
+  other row on csrc's prefill kernel where the decoder chose it (one call for all).
 - Batch-invariant mode (the CPU default): every other row, prefill chunk or decode,
   attends through one masked SDPA call over its slot's keys [0, key_width(end)), its
   queries padded (padded_queries) so SDPA's gemms never see fewer rows than the dtype's
@@ -12,10 +13,10 @@ Rules (decoder.py's docstring states why):
 - Otherwise (CUDA) plain causal prefills, and decode rows whose slots cover a compact
   range attend in one SDPA call over a view of that range, padded keys masked.
 - SDPA gets 4-d tensors throughout (on CPU the 3-d form falls back to the slow math
-  kernel) and additive masks in the model dtype, made once per forward (SDPA on CPU
+  kernel) and additive masks in the model dtype, filled once per forward (SDPA on CPU
   converts a bool mask on every call, which costs more than the attention itself for
-  short rows). The masks depend on the step's positions, so they are the one thing made
-  per step here.
+  short rows). They depend on the step's positions, so each forward fills them in place
+  in a MaskArena that the decoder made once (grown only when a step needs more).
 
 Tensor shapes: q [T, heads, head_dim]; caches [slots, kv_heads, capacity, head_dim];
 out [T, heads * head_dim].
@@ -48,6 +49,76 @@ def padded_queries(n: int, group: int, multiple: int) -> int:
     return padded
 
 
+class MaskArena:
+    """The memory of the SDPA path's additive masks, made once per decoder: a flat buffer in
+    the model dtype, bool and int64 scratch, the key positions 0, 1, 2, ...; each grown
+    (doubled) only when a step needs more than any before. A plan's masks are consecutive
+    views of it, filled in place (reset() at each plan: the previous forward is done)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self._add = torch.empty(0, dtype=dtype, device=device)
+        self._bad = torch.empty(0, dtype=torch.bool, device=device)
+        self._side = torch.empty(0, dtype=torch.bool, device=device)
+        self._ints = torch.empty(0, dtype=torch.int64, device=device)
+        self._pos = torch.arange(0, dtype=torch.int64, device=device)
+        self._used = self._ints_used = 0
+
+    def reset(self) -> None:
+        self._used = self._ints_used = 0
+
+    def _grown(self, buf: torch.Tensor, need: int) -> torch.Tensor:
+        # views already handed out keep the old buffer alive until their plan is gone
+        return buf if buf.numel() >= need else torch.empty(max(need, 2 * buf.numel()), dtype=buf.dtype,
+                                                           device=buf.device)
+
+    def positions(self, lo: int, n: int) -> torch.Tensor:
+        """[n] int64 view: lo, lo + 1, ..."""
+        if self._pos.numel() < lo + n:
+            self._pos = torch.arange(max(lo + n, 2 * self._pos.numel()), dtype=torch.int64, device=self.device)
+        return self._pos[lo:lo + n]
+
+    def ints(self, n: int) -> torch.Tensor:
+        """[n] int64 view of scratch, this plan's own until reset()."""
+        self._ints = self._grown(self._ints, self._ints_used + n)
+        view = self._ints[self._ints_used:self._ints_used + n]
+        self._ints_used += n
+        return view
+
+    def values(self, values: list[int]) -> torch.Tensor:
+        """ints(len(values)) holding values."""
+        view = self.ints(len(values))
+        if view.device.type == "cpu":
+            view.numpy()[:] = values
+        else:
+            view.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+        return view
+
+    def fill(self, shape: tuple[int, ...], qpos: torch.Tensor, k0: int, keys: int, window: Optional[int],
+             bad_view: Optional[tuple[int, ...]] = None) -> torch.Tensor:
+        """A mask of `shape` from this arena: 0 where query i (at position qpos[i]) may see
+        key k0 + j (k0 + j <= qpos[i], and > qpos[i] - window with a window), else -inf;
+        the [len(qpos), keys] rule broadcast over shape (viewed as bad_view first)."""
+        rows = int(qpos.shape[0])
+        self._bad = self._grown(self._bad, rows * keys)
+        bad = self._bad[:rows * keys].view(rows, keys)  # scratch: used up before the next fill
+        kpos = self.positions(k0, keys).unsqueeze(0)  # [1, keys]
+        torch.gt(kpos, qpos.unsqueeze(1), out=bad)  # keys past the query
+        if window is not None:
+            self._side = self._grown(self._side, rows * keys)
+            side = self._side[:rows * keys].view(rows, keys)
+            torch.le(kpos, torch.sub(qpos, window, out=self.ints(rows)).unsqueeze(1), out=side)
+            bad.logical_or_(side)
+        numel = 1
+        for d in shape:
+            numel *= d
+        self._add = self._grown(self._add, self._used + numel)
+        out = self._add[self._used:self._used + numel].view(shape)
+        self._used += numel
+        out.zero_().masked_fill_(bad if bad_view is None else bad.view(bad_view), float("-inf"))
+        return out
+
+
 @dataclass(slots=True)
 class _DecodeGroup:
     """One-token rows attending in one SDPA call (batch-invariant mode)."""
@@ -72,11 +143,17 @@ class AttentionPlan:
     """
 
     def __init__(self, batch, cache: KVCache, c: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, invariant: bool, decode_kernel: int = 0):
+                 device: torch.device, invariant: bool, decode_kernel: int = 0, prefill_kernel: int = 0,
+                 index: Optional[attention.RowIndex] = None, masks: Optional[MaskArena] = None):
         """batch: decoder.Batch; decode_kernel: a native.KERNEL_* for the decode rows on csrc's
-        attention (model/attention.py), 0: they take SDPA too."""
+        attention (model/attention.py), 0: they take SDPA too; prefill_kernel: the same for
+        every other row; index, masks: the decoder's attention.RowIndex and MaskArena (fresh
+        ones if None)."""
         own_decode = bool(decode_kernel)
         self.dtype = dtype
+        self.masks = MaskArena(dtype, device) if masks is None else masks
+        self.masks.reset()
+        arena = self.masks
         rows = len(batch.row_slots)
         if not (rows == len(batch.row_starts) == len(batch.row_lens)) or rows == 0:
             raise ValueError("batch rows: row_slots, row_starts and row_lens must be non-empty and equal in length")
@@ -98,6 +175,7 @@ class AttentionPlan:
         decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         invariant_decodes: list[tuple[int, int, int]] = []  # (t, slot, length)
         own: list[tuple[int, int, int]] = []  # (t, slot, length): decode rows on attention.py's kernel
+        own_prefill: list[tuple[int, int, int, int]] = []  # (t0, slot, start, n): prompt rows on it
         qmult = _QUERY_MULTIPLE.get(dtype, 1)
         t0 = 0
         for i, (slot, start, n) in enumerate(zip(batch.row_slots, batch.row_starts, batch.row_lens)):
@@ -112,40 +190,33 @@ class AttentionPlan:
             end = start + n
             if decode and own_decode:
                 own.append((t0, slot, end))
+            elif not decode and prefill_kernel:
+                own_prefill.append((t0, slot, start, n))
             elif invariant and n == 1:
                 invariant_decodes.append((t0, slot, end))
             elif invariant:
                 keys = key_width(end)
                 padded = padded_queries(n, self.group, qmult)
                 # padding queries repeat the last one's position (their output is dropped)
-                qpos = torch.arange(start, start + padded, device=device).clamp_(max=end - 1).unsqueeze(1)
-                kpos = torch.arange(0, keys, device=device).unsqueeze(0)  # [1, keys]
-                allowed = kpos <= qpos  # [padded, keys]
-                if window is not None:
-                    allowed &= kpos > qpos - window
-                mask = self._additive(allowed).expand(self.group, padded, keys)  # query row (g, i): position i
-                self.rows.append((t0, n, padded, slot, keys, mask.reshape(1, 1, self.group * padded, keys)))
+                qpos = torch.clamp(arena.positions(start, padded), max=end - 1, out=arena.ints(padded))
+                # query row (g, i): position i
+                mask = arena.fill((self.group, padded, keys), qpos, 0, keys, window)
+                self.rows.append((t0, n, padded, slot, keys, mask.view(1, 1, self.group * padded, keys)))
             elif n == 1:
                 decodes.append((t0, slot, end))
             else:
                 lo = 0 if window is None else max(0, start + 1 - window)
                 mask = None
-                if start > 0 or lo > 0:
-                    qpos = torch.arange(start, end, device=device).unsqueeze(1)  # [n, 1]
-                    kpos = torch.arange(lo, end, device=device).unsqueeze(0)  # [1, L]
-                    mask = kpos <= qpos  # [n, L]
-                    if window is not None:
-                        mask &= kpos > qpos - window
-                elif window is not None and n > window:
-                    qpos = torch.arange(0, n, device=device).unsqueeze(1)
-                    kpos = torch.arange(0, n, device=device).unsqueeze(0)
-                    mask = (kpos <= qpos) & (kpos > qpos - window)
-                self.prefills.append((t0, n, slot, lo, end, None if mask is None else self._additive(mask)))
+                if start > 0 or lo > 0 or (window is not None and n > window):
+                    mask = arena.fill((n, end - lo), arena.positions(start, n), lo, end - lo, window)  # [n, L]
+                self.prefills.append((t0, n, slot, lo, end, mask))
             t0 += n
         self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
         self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
         self.decodes = decodes
-        self.own = attention.DecodeRows(own, c, decode_kernel) if own else None
+        index = attention.RowIndex() if index is None else index
+        self.own = attention.DecodeRows(own, c, decode_kernel, index) if own else None
+        self.own_prefill = attention.PrefillRows(own_prefill, c, prefill_kernel, index) if own_prefill else None
         self.batched = None
         self.groups: list[_DecodeGroup] = []
         if invariant_decodes:
@@ -171,16 +242,13 @@ class AttentionPlan:
             compact = hi - lo <= 2 * len(rows)
             span = hi - lo if compact else len(rows)
             index = [s - lo for s in slots] if compact else list(range(len(rows)))
-            kpos = torch.arange(keys).unsqueeze(0)  # [1, keys]
-            qpos = torch.tensor([end - 1 for _, _, end in rows]).unsqueeze(1)  # [rows, 1]
-            real = kpos <= qpos  # [rows, keys]
-            if window is not None:
-                real &= kpos > qpos - window
-            allowed = (kpos == 0).expand(span, keys).clone()  # a spare slot in the range: key 0 only
-            allowed[index] = real  # [span, keys]
+            # each slot's query position: its row's, or 0 for a spare slot in the range (key 0 only)
+            qpos = [0] * span
+            for i, (_, _, end) in zip(index, rows):
+                qpos[i] = end - 1
             # [span, 1, group * padded, keys]: every query of a slot at its row's position
-            mask = self._additive(allowed.to(device)).view(span, 1, 1, keys).expand(
-                span, 1, G * padded, keys).contiguous()
+            mask = self.masks.fill((span, 1, G * padded, keys), self.masks.values(qpos), 0, keys, window,
+                                   bad_view=(span, 1, 1, keys))
             tokens = [r[0] for r in rows]
             # the common case: the step's tokens 0..rows-1 fill slots lo..hi in order, so
             # queries and outputs move by views instead of index ops
@@ -192,13 +260,6 @@ class AttentionPlan:
                 index=torch.tensor(index, device=device),  # [rows] each row's place in the call
                 queries=torch.zeros(span, KV, G, padded, D, dtype=self.dtype, device=device),
                 mask=mask))
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Bool mask -> 0 / -inf in the model dtype, made once per forward: SDPA on CPU
-        converts a bool mask on every call, which costs more than the attention itself
-        for short decode rows."""
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(
-            ~allowed, float("-inf"))
 
     def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int],
                       device: torch.device) -> None:
@@ -213,24 +274,20 @@ class AttentionPlan:
         kv_len = max(lengths)
         kv_lo = 0 if window is None else max(0, min(lengths) - window)
         span = hi_slot - lo_slot
-        # [span, 1, 1, kv_len - kv_lo] True where a slot's row may attend; slots in the
-        # range without a row attend to key 0 only (their output is dropped).
-        kpos = torch.arange(kv_lo, kv_len, device=device)
-        limit = torch.full((span,), 1 + kv_lo, dtype=torch.int64)
-        start = torch.full((span,), kv_lo, dtype=torch.int64)
+        # [span, 1, 1, kv_len - kv_lo]: 0 where a slot's row may attend; slots in the range
+        # without a row attend to key kv_lo only (their output is dropped).
+        qpos = [kv_lo] * span
         for _, slot, length in decodes:
-            limit[slot - lo_slot] = length
-            if window is not None:
-                start[slot - lo_slot] = max(0, length - window)
-        limit, start = limit.to(device), start.to(device)
-        mask = (kpos < limit.unsqueeze(1)) & (kpos >= start.unsqueeze(1))
+            qpos[slot - lo_slot] = length - 1
+        mask = self.masks.fill((span, 1, 1, kv_len - kv_lo), self.masks.values(qpos), kv_lo, kv_len - kv_lo, window,
+                               bad_view=(span, 1, 1, kv_len - kv_lo))
         token_index = torch.full((span,), -1, dtype=torch.int64)
         for t, slot, _ in decodes:
             token_index[slot - lo_slot] = t
         present = token_index >= 0
         self.batched = (
             lo_slot, hi_slot, kv_lo, kv_len,
-            self._additive(mask).view(span, 1, 1, kv_len - kv_lo),
+            mask,
             token_index.clamp(min=0).to(device),  # [span] the token of each slot in range
             torch.nonzero(present).flatten().to(device),  # [decodes] range index of each row
             token_index[present].to(device),  # [decodes] their tokens
@@ -242,6 +299,8 @@ class AttentionPlan:
         KV, G, D = self.kv_heads, self.group, self.head_dim
         if self.own is not None:
             self.own.attend(q, k_cache, v_cache, out)
+        if self.own_prefill is not None:
+            self.own_prefill.attend(q, k_cache, v_cache, out)
         # SDPA gets 4-d tensors throughout: on CPU the 3-d form falls back to the slow
         # math kernel.
         for g in self.groups:

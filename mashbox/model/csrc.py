@@ -206,6 +206,33 @@ def attention(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ends: to
         parallel(), torch.get_num_threads())
 
 
+def prefill_attention(q: torch.Tensor, firsts: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                      lens: torch.Tensor, heads: int, kv_heads: int, window: int, scale: float,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, kernel: int) -> None:
+    """out[firsts[r] + i] = causal attention of q[firsts[r] + i] (q [T, >= heads * head_dim],
+    unit stride along the row) at position starts[r] + i over slot slots[r]'s keys, for i
+    < lens[r] (mb_bf16_prefill_attention); out [T', heads * head_dim] contiguous."""
+    head_dim = int(k_cache.shape[-1]) if k_cache.dim() == 4 else 0
+    _cache(k_cache, "k_cache", kv_heads, head_dim)
+    _cache(v_cache, "v_cache", kv_heads, head_dim)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if q.dtype != torch.bfloat16 or q.dim() != 2 or q.stride(1) != 1 or q.shape[1] < heads * head_dim:
+        raise ValueError(f"q must be a 2-d bfloat16 tensor [T, >= {heads * head_dim}] with unit stride along "
+                         f"the row, got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
+    _rows(out, "out", torch.bfloat16, heads * head_dim)
+    if not out.is_contiguous() or out.shape[0] < q.shape[0]:
+        raise ValueError(f"out must be contiguous with at least q's {q.shape[0]} rows")
+    t = int(firsts.shape[0])
+    for name, a in (("firsts", firsts), ("slots", slots), ("starts", starts), ("lens", lens)):
+        _vector(a, name, torch.int64, t)
+    native.bf16_prefill_attention_ptr(
+        q.data_ptr(), q.stride(0), int(q.shape[0]), firsts.data_ptr(), slots.data_ptr(), starts.data_ptr(),
+        lens.data_ptr(), t, heads, kv_heads, head_dim, window, scale, k_cache.data_ptr(), v_cache.data_ptr(),
+        int(k_cache.shape[0]), int(k_cache.shape[2]), out.data_ptr(), int(out.shape[1]), kernel,
+        parallel(), torch.get_num_threads())
+
+
 class LayerTable:
     """The C array of struct mb_layer for mb_bf16_decode_layers, and the tensors it points
     into: one object owns both, so no address outlives its buffer. Made once per decoder.

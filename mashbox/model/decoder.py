@@ -28,15 +28,15 @@ Rules:
   depend on how its request was scheduled: whole or chunked prefill, its last prompt
   token recomputed alone after a prefix-cache hit, alone or beside other rows, in
   bfloat16 and float32 (bit-identical; measured on this project's CPU, see _MIN_ROWS).
-  Decode rows on csrc's attention depend on their own query and keys only. Elsewhere
-  three rules make it so: every row, prefill chunk or decode, attends through one masked
+  Decode rows and prompt rows on csrc's attention (decode and prefill kernels) depend on
+  their own query, keys and position only. On SDPA three rules make it so: every row, prefill chunk or decode, attends through one masked
   SDPA call over its slot's keys [0, kv_cache.key_width(end)): 128, or whole blocks of
   512 (masked keys add exact zeros); its queries are padded so SDPA's gemms never see
   fewer rows than the dtype's small-M threshold; and linears run on at least _MIN_ROWS
-  rows (padding rows otherwise; csrc's kernel needs none: its rows never meet). Where
-  decode rows take csrc's attention and prompt rows SDPA, a generated token's K/V can
-  differ in its last bits from the same token's computed as part of a later prompt that
-  misses the prefix cache; a hit reuses the generated token's own K/V. A sliding-window
+  rows (padding rows otherwise; csrc's kernel needs none: its rows never meet). The
+  decode and prefill kernels (or SDPA) keep different arithmetic, so a generated token's
+  K/V can differ in its last bits from the same token's computed as part of a later
+  prompt that misses the prefix cache; a hit reuses the generated token's own K/V. A sliding-window
   model reads keys from 0 too (masked outside its window). What invariance costs is
   measured by benchmarks/decode.py (README, speed).
   Without batch_invariant (the default on CUDA, where kernel launches dominate) decode
@@ -51,7 +51,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from mashbox.model.attention_plan import AttentionPlan
+from mashbox.model import attention
+from mashbox.model.attention_plan import AttentionPlan, MaskArena
 from mashbox.model.block_weight import BlockWeight
 from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox import native
@@ -150,6 +151,10 @@ class Decoder:
         csrc_linears = self.kernels.linears == "csrc"
         self.ops = CsrcRowOps(config) if csrc_linears else TorchRowOps(config)
         self._attention_kernel = self.kernels.kernel if self.kernels.attention == "csrc" else 0
+        # prompt rows take csrc's prefill kernel with the decode rows' where it takes the model
+        self._prefill_kernel = self._attention_kernel if attention.prefill_supported(config) else 0
+        self._row_index = attention.RowIndex()  # the plans' index rows, made once
+        self._masks = MaskArena(dtype, self.device)  # the SDPA path's masks, made once
         self.limits = limits
         padded = max(limits.tokens, self._min_rows) if self.batch_invariant else limits.tokens
         python = PythonLayers(config, self.layers, self.ops, dtype, self.device, padded)
@@ -291,7 +296,8 @@ class Decoder:
             raise ValueError(f"a step of {T} tokens exceeds the decoder's limit of {self.limits.tokens} "
                              "(StepLimits.tokens, sized at start-up)")
         plan = AttentionPlan(batch, cache, self.config, self.dtype, self.device, invariant=self.batch_invariant,
-                             decode_kernel=self._attention_kernel)
+                             decode_kernel=self._attention_kernel, prefill_kernel=self._prefill_kernel,
+                             index=self._row_index, masks=self._masks)
         ids, positions = batch.input_ids, batch.positions
         # Batch invariance: float32 linears round differently below _min_rows rows (see
         # the module docstring), so a short step runs on padding rows too; their

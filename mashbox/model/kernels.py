@@ -6,7 +6,8 @@ Four choices, each a field; "auto" (and kernel 0) picks the fastest that runs he
   oneDNN-packed weights ("onednn"), or plain F.linear ("torch"). float32 and CUDA never
   take "csrc".
 - attention: decode rows (Batch.row_decode) on csrc's attention ("csrc":
-  model/attention.py) or SDPA ("sdpa"); prompt rows always take SDPA.
+  model/attention.py), prompt rows on its causal prefill kernel too where the model fits
+  it (attention.prefill_supported; else SDPA for them), or both on SDPA ("sdpa").
 - layers: a step whose rows all decode on csrc's attention runs every layer in one C
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.

@@ -27,9 +27,12 @@ DTYPES = [torch.bfloat16, torch.float32]
 # bfloat16 linears run on mashbox's kernel where the CPU has AVX512-BF16, else on oneDNN
 # (with padding rows): both must hold; csrc's portable kernel (the same bits, plain C)
 # runs on every machine, so csrc's paths are tested where AVX512-BF16 is missing too
+# (bf16-sdpa: oneDNN's linears and SDPA's attention, prompt rows included: the padded,
+# masked path that float32 and CUDA take)
 KERNELS = [(torch.bfloat16, Kernels()), (torch.bfloat16, Kernels(linears="onednn")),
+           (torch.bfloat16, Kernels(linears="onednn", attention="sdpa")),
            (torch.bfloat16, Kernels(kernel=native.KERNEL_PORTABLE)), (torch.float32, Kernels())]
-KERNEL_IDS = ["bf16", "bf16-onednn", "bf16-portable", "f32"]
+KERNEL_IDS = ["bf16", "bf16-onednn", "bf16-sdpa", "bf16-portable", "f32"]
 # csrc's kernels, forced: the portable one everywhere, AVX512-BF16 where the CPU has it
 CSRC_KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
 CSRC_KERNEL_IDS = ["portable", "avx512bf16"][:len(CSRC_KERNELS)]
@@ -44,7 +47,7 @@ def _decoder(path: str, dtype: torch.dtype, kernels: Kernels = Kernels()) -> Dec
         assert decoder.kernels.linears == "onednn"
     elif dtype == torch.bfloat16 and csrc_runs and decoder._packed:
         assert decoder.kernels.linears == "csrc" and decoder._min_rows == 1, "no padding rows on the own kernel"
-    if dtype == torch.bfloat16 and csrc_runs:
+    if dtype == torch.bfloat16 and csrc_runs and kernels.attention != "sdpa":
         assert decoder.kernels.attention == "csrc", "decode rows attend on csrc's kernel (model/attention.py)"
     return decoder
 
@@ -155,9 +158,10 @@ def test_default_model_without_padding_logits_change(default_model_path, monkeyp
         monkeypatch.setattr(decoder_mod, "_MIN_ROWS", {})
     else:
         monkeypatch.setattr(plan_mod, "_QUERY_MULTIPLE", {})
-    # shown with oneDNN's linears; on mashbox's kernel these prompts do not expose the
-    # SDPA query blocks (the padding stays: SDPA's kernel is the same)
-    decoder = _decoder(default_model_path, torch.bfloat16, Kernels(linears="onednn"))
+    # shown with oneDNN's linears and SDPA's attention (csrc's prefill kernel pads nothing);
+    # on mashbox's linears these prompts do not expose the SDPA query blocks (the padding
+    # stays: SDPA's kernel is the same)
+    decoder = _decoder(default_model_path, torch.bfloat16, Kernels(linears="onednn", attention="sdpa"))
     cache = KVCache(decoder.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
     fwd = lambda rows: decoder.forward(Batch.build(rows), cache)  # noqa: E731
     prompt = torch.randint(0, decoder.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -358,3 +362,27 @@ def test_decode_layers_in_one_c_call_give_the_python_paths_bits(tmp_path, varian
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("dtype,kernels", [KERNELS[0], KERNELS[2]], ids=["bf16-csrc", "bf16-sdpa"])
+def test_attention_index_and_masks_are_made_once(tmp_path, dtype, kernels):
+    """After a first step of a shape, later steps of that shape or smaller fill the
+    decoder's RowIndex and MaskArena in place: the same buffers, no new tensors."""
+    decoder = _decoder(str(make_tiny(tmp_path, "mistral_window")), dtype, kernels)
+    cache = KVCache(decoder.config, slots=4, ctx=200, dtype=dtype, device=CPU)
+    gen = torch.Generator().manual_seed(3)
+    prompt = lambda n: torch.randint(0, 128, (n,), generator=gen).tolist()  # noqa: E731
+    steps = [[(0, 0, prompt(40)), (1, 0, prompt(30))], [(0, 40, [3]), (1, 30, prompt(20)), (2, 0, prompt(9))],
+             [(0, 41, [5]), (1, 50, [6]), (2, 9, [7])]]
+    decode = lambda rows: tuple(len(r[2]) == 1 for r in rows)  # noqa: E731
+
+    def buffers():
+        m = decoder._masks
+        return [decoder._row_index._buf.data_ptr()] + [b.data_ptr() for b in (m._add, m._bad, m._side, m._ints, m._pos)]
+
+    for rows in steps:
+        decoder.forward(Batch.build(rows, decode=decode(rows)), cache)
+    made = buffers()
+    for rows in steps + [[(3, 0, prompt(12))]]:
+        decoder.forward(Batch.build(rows, decode=decode(rows)), cache)
+        assert buffers() == made, rows
