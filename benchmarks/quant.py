@@ -2,8 +2,8 @@
 
 For each file (default: random-weight GGUFs of SmolLM2-1.7B's shape in Q8_0 and
 Q4_K_M-like form, written once by /work/shared/tools/make_big_gguf.py into --big), one
-child process per file loads it as the server would (weights auto: the file's own blocks
-where csrc reads them, the rest dequantized) and measures, in the same run:
+child process per file and --weights form (default: gguf, the file's own blocks, then
+dense bfloat16) loads it and measures, in the same run:
 
 - batch-1 decode and batch-8 aggregate tokens/s (benchmarks/decode.py's decode_rate:
   only steps where every row decodes are timed), and a 512-token prefill (one request,
@@ -82,7 +82,7 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def measure(path: str, tokens: int, prefill: int, threads: int, repeat: int) -> dict:
+def measure(path: str, weights: str, tokens: int, prefill: int, threads: int, repeat: int) -> dict:
     """One file in this process: what the `quant:` line reports, as a dict."""
 
     from benchmarks.decode import ForwardTimer, decode_rate, read_bandwidth
@@ -93,7 +93,7 @@ def measure(path: str, tokens: int, prefill: int, threads: int, repeat: int) -> 
     tensor_bytes = GGUFWeights(path).nbytes
     rss0 = _rss()
     engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16),
-                                 threads=threads, prefill_chunk=max(512, prefill)))
+                                 threads=threads, prefill_chunk=max(512, prefill), weights=weights))
     gc.collect()
     r = engine.runner
     kv_bytes = sum(t.numel() * t.element_size() for t in (r.cache.k, r.cache.v))
@@ -134,16 +134,19 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill (llama-bench -p)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (llama-bench -t)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds; the best of each figure counts")
+    ap.add_argument("--weights", default="gguf,dense",
+                    help="the --weights forms to measure, comma-separated, each in its own child process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one file, a JSON line out
     args = ap.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.tokens, args.prefill, args.threads, args.repeat)))
+        print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.threads,
+                                             args.repeat)))
         return 0
     files = args.files or [_ensure(args.big, kind) for kind in FILES]
     bench = os.environ.get("LLAMA_BENCH")
-    for path in files:
-        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, "--tokens",
-                                str(args.tokens), "--prefill", str(args.prefill), "--threads", str(args.threads),
+    for path, weights in [(p, w) for p in files for w in args.weights.split(",")]:
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, "--weights", weights,
+                                "--tokens", str(args.tokens), "--prefill", str(args.prefill), "--threads", str(args.threads),
                                 "--repeat", str(args.repeat)], capture_output=True, text=True)
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
@@ -157,7 +160,7 @@ def main() -> int:
                 f"pp{m['prefill']} {m['pp']:.1f} tok/s | rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
                 f"({m['rss'] / m['tensor_bytes']:.2f}x) | load {m['load']:.1f}")
-        if bench:
+        if bench and weights == args.weights.split(",")[0]:
             tg, pp = llama_bench(bench, path, args.tokens, args.prefill, args.threads)
             line += (f" | llama.cpp tg{args.tokens} {tg:.1f} pp{args.prefill} {pp:.1f} (load "
                      f"{os.getloadavg()[0]:.1f}) | b1 {m['b1'] / tg:.2f}x llama.cpp, pp {m['pp'] / pp:.2f}x")

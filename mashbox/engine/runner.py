@@ -13,13 +13,14 @@ All tensor work of the engine lives here. Buffers are made once at start:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
-from mashbox import native
+from mashbox import gguf_meta, native
 from mashbox.config import LOGPROB_FLOOR, EngineConfig, SamplingParams, TokenLogprob
 from mashbox.engine.scheduler import StepPlan
 from mashbox.model import decoder as decoder_mod
@@ -37,14 +38,48 @@ log = logging.getLogger("mashbox.engine.runner")
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
+# weights "auto" keeps a GGUF's blocks only when its dense bfloat16 weights would take
+# more than this share of the memory available at start: the block kernels read fewer
+# bytes but are slower than the dense kernel at batch 8 and in prefill today (README,
+# Quantized weights), so blocks are what lets a big model fit, not the faster choice.
+AUTO_GGUF_MEMORY_SHARE = 0.5
+
+
+def auto_weights(can_keep_blocks: bool, dense_bytes: int, available_bytes: int) -> str:
+    """What --weights auto means for a model: "gguf" where blocks run here and the dense
+    weights would not fit comfortably, else "dense"."""
+    if can_keep_blocks and dense_bytes > AUTO_GGUF_MEMORY_SHARE * available_bytes:
+        return "gguf"
+    return "dense"
+
+
+def _available_bytes() -> int:
+    """MemAvailable (Linux), else all physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The Decoder's weights for the config's: "auto" is "gguf" (the file's own quantized
-    blocks, csrc/quant.c) for a .gguf file in bfloat16 on a CPU where csrc's AVX512-BF16
-    kernel runs, else "dense"; an explicit "gguf" that cannot run here is a ModelError."""
+    """The Decoder's weights for the config's: "auto" (auto_weights) is "gguf" (the file's
+    own quantized blocks, csrc/quant.c and kquant.c) for a .gguf file in bfloat16 on a CPU
+    where csrc's AVX512-BF16 kernel runs and whose dense weights would take more than half
+    the available memory, else "dense"; an explicit "gguf" that cannot run here is a
+    ModelError."""
     runs = (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16 and native.NATIVE
             and native.bf16_kernel() == native.KERNEL_AVX512BF16)
     if asked == "auto":
-        return "gguf" if runs else "dense"
+        if not runs:
+            return "dense"
+        dense_bytes = 2 * sum(t.n_elements for t in gguf_meta.read(path).tensors)
+        fmt = auto_weights(runs, dense_bytes, _available_bytes())
+        log.info("weights auto: %s (dense bfloat16 would be %.1f GB)", fmt, dense_bytes / 1e9)
+        return fmt
     if asked == "gguf" and not (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16):
         raise ModelError(f"weights gguf needs a .gguf model in bfloat16 on a CPU ({path}, {dtype}, {device})")
     return asked
@@ -75,7 +110,7 @@ class Runner:
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
         self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, dtype, hidden)
-        # weights "auto": a GGUF's own blocks where csrc's fast kernels run them, else dense
+        # weights "auto": dense unless a GGUF's dense weights would not fit comfortably
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device, blocks=self.weight_format == "gguf")

@@ -79,16 +79,27 @@ def test_blocks_follow_the_dequantized_greedy_text(default_model_path):
     assert blocks_err <= 1.25 * dense_err, (blocks_err, dense_err)
 
 
-def test_the_engine_default_keeps_the_files_blocks(default_model_path):
+def test_weights_auto_keeps_blocks_only_for_a_model_that_would_not_fit_dense():
+    from mashbox.engine.runner import AUTO_GGUF_MEMORY_SHARE, auto_weights
+
+    gib = 1 << 30
+    assert auto_weights(True, 4 * gib, 24 * gib) == "dense"  # a 2B model on this machine
+    assert auto_weights(True, 16 * gib, 24 * gib) == "gguf"  # an 8B one
+    assert auto_weights(False, 16 * gib, 24 * gib) == "dense"  # blocks cannot run here
+    assert auto_weights(True, int(AUTO_GGUF_MEMORY_SHARE * 8 * gib) + 1, 8 * gib) == "gguf"
+
+
+def test_the_files_blocks_take_the_files_memory(default_model_path):
     from mashbox.config import EngineConfig
     from mashbox.engine.runner import Runner
 
     if not linear.bf16_kernel_available():
-        pytest.skip("weights auto is dense without AVX512-BF16")
-    runner = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64))
+        pytest.skip("weights gguf needs AVX512-BF16")
+    runner = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="gguf"))
     assert runner.weight_format == "gguf" and runner.dtype == torch.bfloat16
     file_bytes = os.path.getsize(default_model_path)
     # resident weights: the blocks (Q4_1, a Q8_0 embedding/head) and the float32 norms
     assert runner.weight_bytes <= 1.1 * file_bytes, (runner.weight_bytes, file_bytes)
-    dense = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="dense"))
+    # the default model's dense weights fit many times over: auto is dense
+    dense = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64))
     assert dense.weight_format == "dense" and dense.weight_bytes > 2 * runner.weight_bytes
