@@ -24,6 +24,28 @@
 typedef void (*mb_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads,
                                unsigned flags);
 
+/* The guided work handout of the linear kernels (csrc/linear.c says why): the next run
+ * of items for the calling thread, remaining / (2 * threads) of them and at least one,
+ * starting at *first; 0 when none is left. Without atomics (one thread) it takes all. */
+static inline int64_t mb_take_guided(int64_t *next, int64_t items, int64_t threads, int64_t *first) {
+    int64_t take;
+#ifdef MB_ATOMICS
+    int64_t at = __atomic_load_n(next, __ATOMIC_RELAXED);
+    do {
+        if (at >= items)
+            return 0;
+        take = (items - at) / (2 * threads);
+        take = take < 1 ? 1 : take;
+    } while (!__atomic_compare_exchange_n(next, &at, at + take, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *first = at;
+#else
+    if (*next >= items)
+        return 0;
+    *first = *next, take = items - *next, *next = items;
+#endif
+    return take;
+}
+
 static inline float mb_bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);

@@ -222,21 +222,9 @@ int32_t mb_bf16_kernel(void) {
 static void mb_worker(void *data) {
     struct mb_job *j = (struct mb_job *)data;
     for (;;) {
-        int64_t first, take;
-#ifdef MB_ATOMICS
-        first = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
-        do {
-            if (first >= j->items)
-                return;
-            take = (j->items - first) / (2 * j->threads);
-            take = take < 1 ? 1 : take;
-        } while (!__atomic_compare_exchange_n(&j->next, &first, first + take, 0, __ATOMIC_RELAXED,
-                                              __ATOMIC_RELAXED));
-#else /* one thread only (mb_bf16_linear) */
-        if (j->next >= j->items)
+        int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
+        if (take == 0)
             return;
-        first = j->next, take = j->items - first, j->next = j->items;
-#endif
         for (int64_t i = first; i < first + take; i++) {
             int32_t c = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
             int32_t m0 = c * MB_CHUNK;

@@ -332,21 +332,9 @@ MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1)
 static void mb_q_worker(void *data) {
     struct mb_q_job *j = (struct mb_q_job *)data;
     for (;;) {
-        int64_t first, take;
-#ifdef MB_ATOMICS
-        first = __atomic_load_n(&j->next, __ATOMIC_RELAXED);
-        do {
-            if (first >= j->items)
-                return;
-            take = (j->items - first) / (2 * j->threads);
-            take = take < 1 ? 1 : take;
-        } while (!__atomic_compare_exchange_n(&j->next, &first, first + take, 0, __ATOMIC_RELAXED,
-                                              __ATOMIC_RELAXED));
-#else
-        if (j->next >= j->items)
+        int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
+        if (take == 0)
             return;
-        first = j->next, take = j->items - first, j->next = j->items;
-#endif
         for (int64_t i = first; i < first + take; i++) {
             int32_t ch = (int32_t)(i / j->groups), g = (int32_t)(i % j->groups);
             int32_t r0 = ch * MB_Q_ROWS, c0 = g * MB_Q_OUTS;
