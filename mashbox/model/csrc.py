@@ -97,12 +97,8 @@ def pack(w: torch.Tensor, packed: torch.Tensor) -> None:
     native.bf16_pack_ptr(w.data_ptr(), n, k, packed.data_ptr())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor],
-           y: torch.Tensor, mode: int, kernel: int) -> None:
-    """y [M, n] (as mode says: native.Y_*) of x [M, k] bfloat16 and the packed [n, k]
-    weight (+ bias float32 [n])."""
-    _rows(x, "x", torch.bfloat16, k)
-    _packed(packed, n, k)
+def _linear_out(x: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor, mode: int, n: int) -> int:
+    """Checks a linear's bias float32 [n] and y [M, n] (as mode says) against x [M, k]; M."""
     if bias is not None:
         _vector(bias, "bias", torch.float32, n)
     dtype = Y_MODES.get(mode)
@@ -112,6 +108,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: Optional
     m = int(x.shape[0])
     if y.shape[0] != m:
         raise ValueError(f"y must have {m} rows (x's), got {y.shape[0]}")
+    return m
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, bias: Optional[torch.Tensor],
+           y: torch.Tensor, mode: int, kernel: int) -> None:
+    """y [M, n] (as mode says: native.Y_*) of x [M, k] bfloat16 and the packed [n, k]
+    weight (+ bias float32 [n])."""
+    _rows(x, "x", torch.bfloat16, k)
+    _packed(packed, n, k)
+    m = _linear_out(x, bias, y, mode, n)
     if m:
         native.bf16_linear_ptr(x.data_ptr(), x.stride(0), m, packed.data_ptr(), n, k,
                                0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
@@ -334,15 +340,7 @@ def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias:
     GGUF blocks of qtype (uint8 [n, row_bytes], contiguous) (+ bias float32 [n])."""
     _rows(x, "x", torch.bfloat16, k)
     row_bytes = _blocks(w, qtype, n, k)
-    if bias is not None:
-        _vector(bias, "bias", torch.float32, n)
-    dtype = Y_MODES.get(mode)
-    if dtype is None:
-        raise ValueError(f"mode must be one of native.Y_*, got {mode}")
-    _rows(y, "y", dtype, n)
-    m = int(x.shape[0])
-    if y.shape[0] != m:
-        raise ValueError(f"y must have {m} rows (x's), got {y.shape[0]}")
+    m = _linear_out(x, bias, y, mode, n)
     if m:
         native.q_linear_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
                             0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
