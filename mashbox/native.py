@@ -641,16 +641,9 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
     return y
 
 
-def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
-                y_f32: bool = False, add_to: np.ndarray | None = None,
-                kernel: int | None = None) -> np.ndarray:
-    """native_ref.bf16_linear through the C kernel (`kernel`, default the fastest here)."""
-    x = _array(x, np.uint16, "x", 2)
-    w = _array(w, np.uint16, "w", 2)
-    m, k = x.shape
-    n = w.shape[0]
-    if w.shape[1] != k or k % 2 or m < 1 or n < 1:
-        raise ValueError(f"x [m, k] and w [n, k] need the same even k >= 2, got {x.shape} and {w.shape}")
+def _linear_extras(bias: np.ndarray | None, add_to: np.ndarray | None, y_f32: bool, m: int,
+                   n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A linear's bias float32 [n] and add_to bfloat16 [m, n], checked (either may be None)."""
     if bias is not None:
         bias = _array(bias, np.float32, "bias", 1)
         if bias.shape != (n,):
@@ -661,6 +654,20 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
         add_to = _array(add_to, np.uint16, "add_to", 2)
         if add_to.shape != (m, n):
             raise ValueError(f"add_to must have shape ({m}, {n}), got {add_to.shape}")
+    return bias, add_to
+
+
+def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                y_f32: bool = False, add_to: np.ndarray | None = None,
+                kernel: int | None = None) -> np.ndarray:
+    """native_ref.bf16_linear through the C kernel (`kernel`, default the fastest here)."""
+    x = _array(x, np.uint16, "x", 2)
+    w = _array(w, np.uint16, "w", 2)
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or k % 2 or m < 1 or n < 1:
+        raise ValueError(f"x [m, k] and w [n, k] need the same even k >= 2, got {x.shape} and {w.shape}")
+    bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
     if _lib is None:
         return native_ref.bf16_linear(x, w, bias, y_f32, add_to)
     packed = _bf16_packed(w)
@@ -704,16 +711,7 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
     if m < 1 or n < 1 or w.shape[1] != (q_row_bytes(qtype, k) or -1) and qtype in Q_LEGACY:
         raise ValueError(f"w must be [n >= 1, {q_row_bytes(qtype, k)}] bytes of type {qtype} for x {x.shape}, "
                          f"got {w.shape}")
-    if bias is not None:
-        bias = _array(bias, np.float32, "bias", 1)
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-    if add_to is not None:
-        if y_f32:
-            raise ValueError("add_to takes bfloat16 output (y_f32=False)")
-        add_to = _array(add_to, np.uint16, "add_to", 2)
-        if add_to.shape != (m, n):
-            raise ValueError(f"add_to must have shape ({m}, {n}), got {add_to.shape}")
+    bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
     if _lib is None:
         return native_ref.q_linear(qtype, w, x, bias, y_f32, add_to)
     if add_to is not None:
