@@ -1,5 +1,9 @@
 """HTTP/1.1 over one connection: an asyncio.Protocol that is httptools' callback object.
 
+(Over ~450 lines: httptools calls one object back for the whole connection, so parsing,
+the pipeline of waiting requests and the write side share its state; the limits, the
+body deadline and the slow-reader watch are their own modules, limits.py and sendwatch.py.)
+
 Rules:
 - Bytes in go to httptools.HttpRequestParser; its callbacks build one `Request` per
   message. Finished requests wait in `pipeline` and are answered strictly in order by
