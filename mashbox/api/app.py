@@ -20,7 +20,7 @@ load in this process from the same model path (no torch here).
 
 Shutdown (SIGTERM / SIGINT, or `stop` set): the listener closes at once (new
 connections are refused) and generating requests that still arrive on open connections
-get 503 / 529 (pipeline.Shutdown.drain); running requests have
+get 503 / 529 (api.shutdown.drain(), api/shutdown.py); running requests have
 ServerConfig.shutdown_grace_s to finish; then open streams end with their route's error
 event and terminator and non-streamed requests answer 503 / 529 (Shutdown.end, called by
 http/server.py's close; a second SIGTERM / SIGINT calls it at once); then the engine
@@ -113,9 +113,8 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     api = make_context(server_config, engine_config, engine, tokenizer, template)
     router = build_router(api, make_guard(server_config))
 
-    from mashbox.api.pipeline import shutdown_of
 
-    shutdown = shutdown_of(api)
+    shutdown = api.shutdown
 
     def on_signal() -> None:
         # The first signal starts the shutdown; a second one ends the grace period now.

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from mashbox.config import EngineConfig, SamplingParams, ServerConfig
 from mashbox.api.prompt_pool import PromptPool
+from mashbox.api.shutdown import Shutdown
 from mashbox.engine.interface import Engine, EngineInfo, NotReady, QueueFull
 from mashbox.http.response import HTTPError
 
@@ -70,6 +71,8 @@ class ApiContext:
     started_at: float = field(default_factory=time.time)
     # where big bodies are prepared (api/prompt_pool.py); None: every body inline
     prompt_pool: Optional[PromptPool] = None
+    # draining / ended at shutdown (api/shutdown.py; app.py drives it, pipeline.py reads it)
+    shutdown: Shutdown = field(default_factory=Shutdown)
 
     @property
     def info(self) -> Optional[EngineInfo]:

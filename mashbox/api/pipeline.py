@@ -28,7 +28,7 @@ Rules:
   failure after the stream started becomes `fail_frames(message)` and the stream ends
   there: a worker failure says "failed on the device", a bug here "failed while
   streaming" (and is logged).
-- Shutdown (`Shutdown`, one per ApiContext, `shutdown_of(api)`; app.py drives it):
+- Shutdown (`api.shutdown`, one api/shutdown.py Shutdown per ApiContext; app.py drives it):
   `drain()` at SIGTERM / SIGINT: a generating request that arrives after it gets the
   family's 503 server_error (code server_shutting_down) / 529 overloaded_error, with
   x-should-retry; running ones go on. `end()` when the grace period is over: each open
@@ -43,7 +43,6 @@ import asyncio
 import functools
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Protocol, TypeVar
 
@@ -110,46 +109,7 @@ class Surface:
     tool_id_prefix: str = "call_"
 
 
-class Shutdown:
-    """The shutdown state of one served ApiContext (see the module rules)."""
-
-    def __init__(self):
-        self.draining = False
-        self._ended: Optional[asyncio.Future] = None
-
-    def ended(self) -> asyncio.Future:
-        """A future of the running loop, done once `end()` was called."""
-        if self._ended is None:
-            self._ended = asyncio.get_running_loop().create_future()
-        return self._ended
-
-    def drain(self) -> None:
-        self.draining = True
-
-    def end(self) -> None:
-        self.draining = True
-        fut = self.ended()
-        if not fut.done():
-            fut.set_result(None)
-
-    def check(self, family: str) -> None:
-        if self.draining:
-            raise shutting_down_error(family)
-
-
 SHUTTING_DOWN = "The server is shutting down; retry later."
-_shutdowns: dict[int, Shutdown] = {}  # id(api) -> its Shutdown, dropped when the api is collected
-
-
-def shutdown_of(api: ApiContext) -> Shutdown:
-    """The Shutdown of `api` (one per ApiContext, made on first use)."""
-    shutdown = _shutdowns.get(id(api))
-    if shutdown is None:
-        shutdown = _shutdowns[id(api)] = Shutdown()
-        weakref.finalize(api, _shutdowns.pop, id(api), None)
-    return shutdown
-
-
 def shutting_down_error(family: str) -> HTTPError:
     """503 server_error (OpenAI) / 529 overloaded_error (Anthropic), with x-should-retry."""
     headers = {"retry-after": str(common.RETRY_AFTER_LOADING_S), "x-should-retry": "true"}
@@ -282,13 +242,15 @@ def prepare(surface: Surface, api: ApiContext, req: Any) -> tuple[ApiRequest, Pr
 def handler(api: ApiContext, surface: Surface):
     """The route handler of a surface (see the module rules)."""
     job = functools.partial(prepare, surface)
-    shutdown = shutdown_of(api)
+    shutdown = api.shutdown
 
     async def handle(req):
-        shutdown.check(surface.family)
+        if shutdown.draining:
+            raise shutting_down_error(surface.family)
         common.require_ready(api, surface.family)
         request, prompt = await off_loop(api, req, job)
-        shutdown.check(surface.family)
+        if shutdown.draining:
+            raise shutting_down_error(surface.family)
         answer_id = common.new_id(surface.id_prefix)
         gen = Generation(api, prompt, request.fields, surface.family, tenant=req.tenant, request_id=answer_id,
                          tool_id_prefix=surface.tool_id_prefix)
