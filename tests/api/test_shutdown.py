@@ -154,6 +154,10 @@ def refused(port: int) -> bool:
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        # a connect racing the listener's close is reset (it sat in the closing backlog):
+        # not yet the refusal asked for; the next probe tells
+        return False
     return False
 
 
