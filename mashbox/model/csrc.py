@@ -185,12 +185,10 @@ def rope_kv(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, cos: torc
         int(k_cache.shape[0]), int(k_cache.shape[2]), int(cos.shape[0]))
 
 
-def attention(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
-              heads: int, kv_heads: int, window: int, scale: float, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, out: torch.Tensor, kernel: int) -> None:
-    """out[rows[i]] = attention of q[rows[i]] (q [T, >= heads * head_dim], unit stride
-    along the row) over keys [lo, ends[i]) of slot slots[i] (mb_bf16_attention); out
-    [T', heads * head_dim] contiguous."""
+def _attention_operands(q: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, out: torch.Tensor) -> int:
+    """Checks the caches [slots, kv_heads, capacity, head_dim] (one shape), q [T, >= heads *
+    head_dim] bfloat16 with unit stride along the row, and out's rows; head_dim."""
     head_dim = int(k_cache.shape[-1]) if k_cache.dim() == 4 else 0
     _cache(k_cache, "k_cache", kv_heads, head_dim)
     _cache(v_cache, "v_cache", kv_heads, head_dim)
@@ -200,6 +198,16 @@ def attention(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ends: to
         raise ValueError(f"q must be a 2-d bfloat16 tensor [T, >= {heads * head_dim}] with unit stride along "
                          f"the row, got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
     _rows(out, "out", torch.bfloat16, heads * head_dim)
+    return head_dim
+
+
+def attention(q: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, ends: torch.Tensor,
+              heads: int, kv_heads: int, window: int, scale: float, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, out: torch.Tensor, kernel: int) -> None:
+    """out[rows[i]] = attention of q[rows[i]] (q [T, >= heads * head_dim], unit stride
+    along the row) over keys [lo, ends[i]) of slot slots[i] (mb_bf16_attention); out
+    [T', heads * head_dim] contiguous."""
+    head_dim = _attention_operands(q, heads, kv_heads, k_cache, v_cache, out)
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     t = int(rows.shape[0])
@@ -218,15 +226,7 @@ def prefill_attention(q: torch.Tensor, firsts: torch.Tensor, slots: torch.Tensor
     """out[firsts[r] + i] = causal attention of q[firsts[r] + i] (q [T, >= heads * head_dim],
     unit stride along the row) at position starts[r] + i over slot slots[r]'s keys, for i
     < lens[r] (mb_bf16_prefill_attention); out [T', heads * head_dim] contiguous."""
-    head_dim = int(k_cache.shape[-1]) if k_cache.dim() == 4 else 0
-    _cache(k_cache, "k_cache", kv_heads, head_dim)
-    _cache(v_cache, "v_cache", kv_heads, head_dim)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if q.dtype != torch.bfloat16 or q.dim() != 2 or q.stride(1) != 1 or q.shape[1] < heads * head_dim:
-        raise ValueError(f"q must be a 2-d bfloat16 tensor [T, >= {heads * head_dim}] with unit stride along "
-                         f"the row, got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
-    _rows(out, "out", torch.bfloat16, heads * head_dim)
+    head_dim = _attention_operands(q, heads, kv_heads, k_cache, v_cache, out)
     if not out.is_contiguous() or out.shape[0] < q.shape[0]:
         raise ValueError(f"out must be contiguous with at least q's {q.shape[0]} rows")
     t = int(firsts.shape[0])
