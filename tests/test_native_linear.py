@@ -28,22 +28,44 @@ def _same(a: np.ndarray, b: np.ndarray, y_f32: bool) -> bool:
     return bool(np.all((u == v) | (((u & sign) == 0) & ((v & sign) == 0))))
 
 
-# finite bfloat16 values, sums kept finite; tiny ones (1e-38, and denormals that round
-# to zero) only where the other side is 1 or 0
-_values = st.floats(-(2.0**50), 2.0**50, width=32, allow_subnormal=True).filter(
-    lambda v: v == 0 or abs(v) >= 2.0**-60) | st.sampled_from([0.0, -0.0])
+# The matrices are filled by numpy from a seed hypothesis draws, in one of three kinds it
+# picks: drawn element by element, hypothesis' own bookkeeping took ~150 ms an example
+# (most of this file's time), and shrinking a 10k-element array finds nothing a seed does not.
+#   floats: finite bfloat16 values, sums kept finite: zeros of both signs, small integers,
+#           the range's ends, else magnitudes 2**-60 .. 2**50 (tiny ones only where the
+#           other side is 1 or 0 matters: they appear beside those specials);
+#   bits:   raw bits: zeros and denormal bfloat16 inputs (read as zero) half the time,
+#           else exponents keeping every product inside float32's normal range (the
+#           rule's limits);
+#   fill:   one value everywhere (what hypothesis' arrays often make: all zeros, all -0)
+#           with a few floats among it.
+_SPECIALS = np.array([0.0, -0.0, 1.0, -1.0, 0.5, 2.0**50, -(2.0**50), 2.0**-60, -(2.0**-60)], np.float32)
 
 
-# or raw bits: zeros and denormal bfloat16 inputs too (read as zero), else magnitudes in
-# [2**-60, 2**50], so that no product leaves float32's normal range (the rule's limits)
-_bits = st.builds(lambda sign, exp, mantissa: (sign << 15) | (exp << 7) | mantissa,
-                  st.integers(0, 1), st.just(0) | st.integers(127 - 60, 127 + 49), st.integers(0, 127))
+def _floats(rng: np.random.Generator, n: int) -> np.ndarray:
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    wide = sign * np.exp2(rng.uniform(-60.0, 50.0, n))
+    small = rng.integers(-16, 17, n).astype(np.float64)
+    pick = rng.random(n)
+    v = np.where(pick < 0.5, wide, np.where(pick < 0.8, small, _SPECIALS[rng.integers(0, len(_SPECIALS), n)]))
+    return v.astype(np.float32)
 
 
 def _matrix(draw, shape):
-    if draw(st.booleans()):
-        return _bf16(draw(hnp.arrays(np.float32, shape, elements=_values)))
-    return draw(hnp.arrays(np.uint16, shape, elements=_bits))
+    """bfloat16 bits (uint16) of the given shape."""
+    kind = draw(st.sampled_from(("floats", "bits", "fill")))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = int(np.prod(shape))
+    if kind == "bits":
+        exp = np.where(rng.random(n) < 0.5, 0, rng.integers(127 - 60, 127 + 50, n))
+        bits = (rng.integers(0, 2, n) << 15) | (exp << 7) | rng.integers(0, 128, n)
+        return bits.astype(np.uint16).reshape(shape)
+    if kind == "fill":
+        v = np.full(n, draw(st.sampled_from(list(_SPECIALS))), np.float32)
+        few = rng.integers(0, max(n, 1), rng.integers(0, 4) if n else 0)
+        v[few] = _floats(rng, len(few))
+        return _bf16(v.reshape(shape))
+    return _bf16(_floats(rng, n).reshape(shape))
 
 
 @st.composite
