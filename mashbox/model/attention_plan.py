@@ -16,7 +16,8 @@ Rules (decoder.py's docstring states why):
   kernel) and additive masks in the model dtype, filled once per forward (SDPA on CPU
   converts a bool mask on every call, which costs more than the attention itself for
   short rows). They depend on the step's positions, so each forward fills them in place
-  in a MaskArena that the decoder made once (grown only when a step needs more).
+  in a MaskArena that the decoder made once (grown only when a step needs more); the
+  plan's index tensors and the decode groups' padded queries are views of it too.
 
 Tensor shapes: q [T, heads, head_dim]; caches [slots, kv_heads, capacity, head_dim];
 out [T, heads * head_dim].
@@ -51,9 +52,10 @@ def padded_queries(n: int, group: int, multiple: int) -> int:
 
 class MaskArena:
     """The memory of the SDPA path's additive masks, made once per decoder: a flat buffer in
-    the model dtype, bool and int64 scratch, the key positions 0, 1, 2, ...; each grown
-    (doubled) only when a step needs more than any before. A plan's masks are consecutive
-    views of it, filled in place (reset() at each plan: the previous forward is done)."""
+    the model dtype, bool and int64 scratch, the key positions 0, 1, 2, ..., and a second
+    model-dtype buffer for padded queries; each grown (doubled) only when a step needs more
+    than any before. A plan's masks, indexes and queries are consecutive views of it,
+    filled in place (reset() at each plan: the previous forward is done)."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
@@ -62,10 +64,11 @@ class MaskArena:
         self._side = torch.empty(0, dtype=torch.bool, device=device)
         self._ints = torch.empty(0, dtype=torch.int64, device=device)
         self._pos = torch.arange(0, dtype=torch.int64, device=device)
-        self._used = self._ints_used = 0
+        self._q = torch.empty(0, dtype=dtype, device=device)
+        self._used = self._ints_used = self._q_used = 0
 
     def reset(self) -> None:
-        self._used = self._ints_used = 0
+        self._used = self._ints_used = self._q_used = 0
 
     def _grown(self, buf: torch.Tensor, need: int) -> torch.Tensor:
         # views already handed out keep the old buffer alive until their plan is gone
@@ -84,6 +87,16 @@ class MaskArena:
         view = self._ints[self._ints_used:self._ints_used + n]
         self._ints_used += n
         return view
+
+    def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed model-dtype view of `shape`, this plan's own until reset()."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        self._q = self._grown(self._q, self._q_used + numel)
+        view = self._q[self._q_used:self._q_used + numel].view(shape)
+        self._q_used += numel
+        return view.zero_()
 
     def values(self, values: list[int]) -> torch.Tensor:
         """ints(len(values)) holding values."""
@@ -129,7 +142,7 @@ class _DecodeGroup:
     gather: Optional[torch.Tensor]  # [rows] slots, when the range is not compact
     tokens: torch.Tensor  # [rows] token index of each row in the batch
     index: torch.Tensor  # [rows] each row's place in the call's batch
-    queries: torch.Tensor  # [span, kv_heads, group, padded, head_dim], made once per forward
+    queries: torch.Tensor  # [span, kv_heads, group, padded, head_dim], zeroed in the MaskArena
     mask: torch.Tensor  # [span, 1, group * padded, keys] additive
 
 
@@ -211,8 +224,8 @@ class AttentionPlan:
                     mask = arena.fill((n, end - lo), arena.positions(start, n), lo, end - lo, window)  # [n, L]
                 self.prefills.append((t0, n, slot, lo, end, mask))
             t0 += n
-        self.token_slots = torch.tensor(token_slots, dtype=torch.int64, device=device)  # [T]
-        self.last_tokens = torch.tensor(last, dtype=torch.int64, device=device)  # [rows]
+        self.token_slots = arena.values(token_slots)  # [T]
+        self.last_tokens = arena.values(last)  # [rows]
         self.decodes = decodes
         index = attention.RowIndex() if index is None else index
         self.own = attention.DecodeRows(own, c, decode_kernel, index) if own else None
@@ -220,12 +233,11 @@ class AttentionPlan:
         self.batched = None
         self.groups: list[_DecodeGroup] = []
         if invariant_decodes:
-            self._group_decodes(invariant_decodes, window, padded_queries(1, self.group, qmult), device)
+            self._group_decodes(invariant_decodes, window, padded_queries(1, self.group, qmult))
         if not invariant:
-            self._plan_decodes(decodes, window, device)
+            self._plan_decodes(decodes, window)
 
-    def _group_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int], padded: int,
-                       device: torch.device) -> None:
+    def _group_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int], padded: int) -> None:
         """Invariant mode's one-token rows, one SDPA call per key width: the call's batch
         runs each slot's queries through the same blocks as a call of its own, so a row
         gets the same bits alone or in company (tests/model/test_decoder_invariance.py).
@@ -255,14 +267,13 @@ class AttentionPlan:
             dense = tokens == index == list(range(len(rows)))
             self.groups.append(_DecodeGroup(
                 keys=keys, lo=lo, hi=hi, dense=dense,
-                gather=None if compact else torch.tensor(slots, device=device),
-                tokens=torch.tensor(tokens, device=device),  # [rows]
-                index=torch.tensor(index, device=device),  # [rows] each row's place in the call
-                queries=torch.zeros(span, KV, G, padded, D, dtype=self.dtype, device=device),
+                gather=None if compact else self.masks.values(slots),
+                tokens=self.masks.values(tokens),  # [rows]
+                index=self.masks.values(index),  # [rows] each row's place in the call
+                queries=self.masks.zeros((span, KV, G, padded, D)),
                 mask=mask))
 
-    def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int],
-                      device: torch.device) -> None:
+    def _plan_decodes(self, decodes: list[tuple[int, int, int]], window: Optional[int]) -> None:
         """Batch the decode rows when their slots are distinct and cover a compact range."""
         if len(decodes) < 2:
             return
@@ -281,16 +292,16 @@ class AttentionPlan:
             qpos[slot - lo_slot] = length - 1
         mask = self.masks.fill((span, 1, 1, kv_len - kv_lo), self.masks.values(qpos), kv_lo, kv_len - kv_lo, window,
                                bad_view=(span, 1, 1, kv_len - kv_lo))
-        token_index = torch.full((span,), -1, dtype=torch.int64)
+        token_of_slot = [0] * span
         for t, slot, _ in decodes:
-            token_index[slot - lo_slot] = t
-        present = token_index >= 0
+            token_of_slot[slot - lo_slot] = t
+        in_range = sorted(slot - lo_slot for _, slot, _ in decodes)
         self.batched = (
             lo_slot, hi_slot, kv_lo, kv_len,
             mask,
-            token_index.clamp(min=0).to(device),  # [span] the token of each slot in range
-            torch.nonzero(present).flatten().to(device),  # [decodes] range index of each row
-            token_index[present].to(device),  # [decodes] their tokens
+            self.masks.values(token_of_slot),  # [span] the token of each slot in range (0 if none)
+            self.masks.values(in_range),  # [decodes] range index of each row
+            self.masks.values([token_of_slot[i] for i in in_range]),  # [decodes] their tokens
         )
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
