@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from mashbox import native, native_ref
-from mashbox.model import linear
+from mashbox.model import csrc, linear
 
 KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
 KERNEL_IDS = ["portable", "avx512"][:len(KERNELS)]
@@ -97,7 +97,7 @@ def _run(q, k, v, rows, slots, ends, H, KV, D, out, threads, kernel=None):
     native.bf16_attention_ptr(
         q.data_ptr(), q.stride(0), q.shape[0], rows.data_ptr(), slots.data_ptr(), ends.data_ptr(),
         len(rows), H, KV, D, 0, 0.125, k.data_ptr(), v.data_ptr(), k.shape[0], k.shape[2], out.data_ptr(),
-        out.shape[1], native.bf16_kernel() if kernel is None else kernel, linear.parallel(), threads)
+        out.shape[1], native.bf16_kernel() if kernel is None else kernel, csrc.parallel(), threads)
 
 
 def test_rows_and_threads_do_not_change_bits():

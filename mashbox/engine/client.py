@@ -44,7 +44,7 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, ServerConfig, StepEvent
 from mashbox.engine import frames
-from mashbox.engine.handle import HANDLE_TRANSITIONS, HandleState, IllegalTransition, RequestHandle
+from mashbox.engine.handle import HandleState, IllegalTransition, RequestHandle
 from mashbox.engine.histogram import E2E_BUCKETS, QUEUE_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, Histogram
 from mashbox.engine.interface import EngineInfo, EngineStartError, EngineStats, NotReady, QueueFull
 

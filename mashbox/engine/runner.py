@@ -27,6 +27,7 @@ from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
 from mashbox.model.block_weight import tensor_bytes
+from mashbox.model.device import device_and_dtype
 from mashbox.model.errors import ModelError
 from mashbox.model.layer_loop import StepLimits
 
@@ -109,7 +110,7 @@ class Runner:
         hidden = loader.read_config(cfg.model_path).hidden_size  # sizes the auto-dtype probe
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
-        self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, dtype, hidden)
+        self.device, self.dtype = device_and_dtype(cfg.device, dtype, hidden)
         # weights "auto": dense unless a GGUF's dense weights would not fit comfortably
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()

@@ -54,7 +54,6 @@ import torch.nn.functional as F
 from mashbox.model import attention
 from mashbox.model.attention_plan import AttentionPlan, MaskArena
 from mashbox.model.block_weight import BlockWeight
-from mashbox.model.device import device_and_dtype  # noqa: F401  (contract: decoder.device_and_dtype)
 from mashbox import native
 from mashbox.model.errors import ModelError
 from mashbox.model.fused_layout import fuse

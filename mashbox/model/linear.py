@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from mashbox import native
 from mashbox.model import csrc
 from mashbox.model.block_weight import GGML_TYPES, BlockWeight
-from mashbox.model.csrc import parallel  # noqa: F401  (re-exported: the kernels' thread pool)
 
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
 

@@ -57,7 +57,6 @@ import re
 from typing import Callable, Optional
 
 from mashbox.text.pieces import (  # noqa: F401 - the pieces are the parser's output: importable from here
-    PIECE_KINDS,
     Piece,
     Reasoning,
     Text,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mashbox.model import device as device_mod
-from mashbox.model.decoder import device_and_dtype
+from mashbox.model.device import device_and_dtype
 from mashbox.model.errors import ModelError
 
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mashbox.text import tool_prompt
+from mashbox.text.pieces import PIECE_KINDS
 from mashbox.text.parsers import (
-    PIECE_KINDS,
     OutputParser,
     ParserError,
     Piece,
