@@ -98,6 +98,8 @@ class Conversation:
     later_system: str = "remind"  # a system message after the first turn: "join" | "remind"
     output_format: Optional[OutputFormat] = None  # structured output (module rules)
     parallel_tool_calls: Optional[bool] = None  # False: at most one call; None: unsaid (module rules)
+    # (the name the model sees, a Lark grammar) of custom tools whose input must follow it
+    tool_grammars: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,8 @@ def constraint_plan(api: ApiContext, conv: Conversation, in_reasoning: bool = Fa
     try:
         reasoning = ("opened" if in_reasoning else "optional") if api.template.reasoning else None
         lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
-                                         api.tokenizer.added_tokens, with_fmt, reasoning)
+                                         api.tokenizer.added_tokens, with_fmt, reasoning,
+                                         dict(conv.tool_grammars))
         tools = Candidate(Constraint("tool_calls", lark), None)
     except grammar.GrammarError as exc:
         tools = Candidate(None, None, str(exc))
