@@ -46,33 +46,40 @@ COMPILED_MAX = 32  # grammars kept compiled (an agent sends the same tools every
 class _MaskThread:
     """One thread, started once, that fills bitmask rows while the caller does something
     else (the forward). start() hands it a job, join() waits for it; two locks used as
-    binary semaphores make the hand-off (cheaper than a pool's futures per step)."""
+    binary semaphores make the hand-off (cheaper than a pool's futures per step). All
+    the rows are one llguidance call, which drops the GIL once: a call per row would
+    take the GIL back between rows, and each take can make the forward's thread wait
+    for it (a switch interval, or a time slice on a busy machine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bitmask: np.ndarray) -> None:
+        import llguidance
+
+        self._bitmask = bitmask  # int32[rows, words], written by the job
+        self._executor = llguidance.LLExecutor(1)
         self._go = threading.Lock()
         self._go.acquire()
         self._done = threading.Lock()
         self._done.acquire()
-        self._job: Optional[tuple[list, int, int]] = None
+        self._pairs: Optional[list] = None
         self._error: Optional[BaseException] = None
         self.busy = False
         threading.Thread(target=self._run, name="mashbox-mask", daemon=True).start()
 
     def _run(self) -> None:
+        import llguidance.numpy as lln
+
         while True:
             self._go.acquire()
-            pairs, address, row_bytes = self._job
             try:
-                for m, row in pairs:  # each call drops the GIL while it computes
-                    m.unsafe_compute_mask_ptr(address + row * row_bytes, row_bytes)
+                lln.fill_next_token_bitmask_par(self._executor, self._pairs, self._bitmask)
             except BaseException as exc:  # noqa: BLE001 - handed to join()'s caller
                 self._error = exc
-            self._job = None
+            self._pairs = None
             self._done.release()
 
-    def start(self, pairs: list, address: int, row_bytes: int) -> None:
-        """pairs: (matcher, bitmask row) each; the rows are row_bytes apart from address."""
-        self._job = (pairs, address, row_bytes)
+    def start(self, pairs: list) -> None:
+        """pairs: (matcher, bitmask row) each."""
+        self._pairs = pairs
         self.busy = True
         self._go.release()
 
@@ -99,7 +106,7 @@ class ConstraintTable:
         # the grammar thread: the tokenizer first, then the compiles, in order
         self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-grammar")
         self._lltok = self._grammar_thread.submit(grammar.ll_tokenizer, tokenizer, vocab_size)
-        self._mask = _MaskThread()
+        self._mask = _MaskThread(self.bitmask)
         self._rows: list[int] = []  # positions (among the step's sampled rows) that are constrained
 
     @property
@@ -141,6 +148,10 @@ class ConstraintTable:
             except ValueError as exc:  # GrammarError, or llguidance's own
                 out.append((rid, str(exc) or type(exc).__name__))
                 continue
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failed: this request fails, not the worker
+                log.exception("request %s: its grammar could not be compiled", rid)
+                out.append((rid, f"the grammar could not be compiled: {type(exc).__name__}: {exc}"))
+                continue
             if constraint not in self._compiled:
                 if len(self._compiled) >= COMPILED_MAX:
                     self._compiled.pop(next(iter(self._compiled)))
@@ -175,7 +186,7 @@ class ConstraintTable:
         self._rows = [i for _, i in pairs]
         if not pairs:
             return
-        self._mask.start(pairs, self.bitmask.ctypes.data, self.words * 4)
+        self._mask.start(pairs)
 
     def apply(self, logits: np.ndarray) -> None:
         """logits: float32[n, vocab], the step's sampled rows in begin()'s order; the
