@@ -9,8 +9,10 @@ decodes are timed; the best round of each counts (other load only slows a round 
 
     constrained: b1 <free> / <json> tok/s (<r>%) | b8 <free> / <json> tok/s (<r>%) | load ...
 
-Goal: >= 95% at both batch sizes. Also printed: the mean mask time per step (the mask
-thread's own time, hidden behind the forward when it is shorter).
+Goal: >= 95% at both batch sizes. Also printed: the mean time per constrained step
+from the end of the forward to sampling (waiting for the mask thread, when it took
+longer than the forward, plus the mask's C pass over the logits). The set-up and the
+timing loop are benchmarks/engine_rate.py's, shared with benchmarks/decode.py.
 
 Usage: python benchmarks/constrained.py [--model PATH] [--tokens 48] [--repeat 3] [--threads N]
 """
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -28,9 +29,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from mashbox.config import Constraint, EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
-from mashbox.engine.worker import Engine  # noqa: E402
-
+from benchmarks import engine_rate  # noqa: E402
+from mashbox.config import Constraint  # noqa: E402
 PROMPTS = [
     "List people with their names and ages as JSON.",
     "Give me a JSON array of employees.",
@@ -48,7 +48,8 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
 
 
 class MaskTimer:
-    """Wraps the ConstraintTable's begin / apply to time the wait for the mask."""
+    """Wraps the ConstraintTable's apply: the wait for the mask thread after the forward
+    plus the mask's C pass over the logits."""
 
     def __init__(self, table) -> None:
         self.apply = table.apply
@@ -61,29 +62,13 @@ class MaskTimer:
         self.waited += time.perf_counter() - t0
 
 
-def decode_rate(engine: Engine, batch: int, tokens: int, tag: str, constrained: bool) -> float:
+CONSTRAINT = Constraint("json_schema", json.dumps(SCHEMA))
+
+
+def decode_rate(engine, batch: int, tokens: int, tag: str, constrained: bool) -> float:
     """Aggregate tokens/s over the steps where all `batch` rows decode."""
-    tok = engine.tokenizer
-    constraint = Constraint("json_schema", json.dumps(SCHEMA)) if constrained else None
-    for i in range(batch):
-        ids = tok.encode(PROMPTS[i % len(PROMPTS)])
-        engine.submit(GenerationRequest(
-            id=f"{tag}-{i}", tenant="bench", prompt_ids=tuple(ids), sampling=SamplingParams(temperature=0.0),
-            max_tokens=tokens, ignore_eos=True, constraint=constraint))
-    steps, seconds = 0, 0.0
-    while engine.has_work:
-        decoding = sum(1 for r in engine.scheduler.running.values() if r.state.value == "decoding")
-        full = decoding == batch and not engine.scheduler.waiting
-        t0 = time.perf_counter()
-        events = engine.step()
-        dt = time.perf_counter() - t0
-        for ev in events:
-            if ev.finish_reason not in (None, "length"):
-                raise RuntimeError(f"{ev.id} finished {ev.finish_reason}: {ev.error}")
-        if full:
-            steps += 1
-            seconds += dt
-    return batch * steps / seconds if seconds else 0.0
+    return engine_rate.decode_rate(engine, PROMPTS, batch, tokens, tag,
+                                   constraint=CONSTRAINT if constrained else None).tok_s
 
 
 def main() -> int:
@@ -93,15 +78,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (interleaved); the best of each counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    path = args.model
-    if path is None:
-        from mashbox import registry
-
-        path = str(registry.pull(registry.DEFAULT_MODEL_ID, quiet=True))
-    engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=512, threads=args.threads))
+    engine = engine_rate.make_engine(args.model, threads=args.threads)
     decode_rate(engine, 1, 8, "warm", False)
-    decode_rate(engine, 2, 8, "warmc", True)  # builds the llguidance tokenizer
+    decode_rate(engine, 2, 8, "warmc", True)  # compiles the grammar (kept for the timed rounds)
     timer = MaskTimer(engine.constraints)
     best = {(b, c): 0.0 for b in (1, 8) for c in (False, True)}
     masked_steps = 0

@@ -33,7 +33,6 @@ ratio says how close the step comes to what its reads alone could do.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
@@ -45,8 +44,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import torch  # noqa: E402
 
+from benchmarks import engine_rate  # noqa: E402
 from mashbox import native  # noqa: E402
-from mashbox.config import EngineConfig, GenerationRequest, SamplingParams  # noqa: E402
+from mashbox.config import GenerationRequest, SamplingParams  # noqa: E402
 from mashbox.engine.worker import Engine  # noqa: E402
 
 PROMPTS = [
@@ -108,26 +108,9 @@ class ForwardTimer:
 def decode_rate(engine: Engine, batch: int, tokens: int, tag: str) -> tuple[float, float, float]:
     """(aggregate tokens/s, mean step seconds, mean forward seconds) over steps where all
     `batch` rows decode."""
-    tok = engine.tokenizer
-    for i in range(batch):
-        ids = tok.encode(PROMPTS[i % len(PROMPTS)])
-        engine.submit(GenerationRequest(
-            id=f"{tag}-{i}", tenant="bench", prompt_ids=tuple(ids),
-            sampling=SamplingParams(temperature=0.0), max_tokens=tokens, ignore_eos=True))
-    steps, seconds, forward = 0, 0.0, 0.0
     timer = engine.runner.decoder.forward
-    while engine.has_work:
-        decoding = sum(1 for r in engine.scheduler.running.values() if r.state.value == "decoding")
-        full = decoding == batch and not engine.scheduler.waiting
-        f0 = timer.seconds
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        if full:
-            steps += 1
-            seconds += dt
-            forward += timer.seconds - f0
-    return batch * steps / seconds, seconds / steps, forward / steps
+    rate = engine_rate.decode_rate(engine, PROMPTS, batch, tokens, tag, clock=lambda: timer.seconds)
+    return rate.tok_s, rate.step_s, rate.clock_s
 
 
 def profile_step(engine: Engine, batch: int) -> None:
@@ -164,15 +147,8 @@ def main() -> int:
     ap.add_argument("--linears", default="own", choices=("own", "onednn"))
     ap.add_argument("--decode", default="c", choices=("c", "loop", "sdpa"))
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
-    path = args.model
-    if path is None:
-        from mashbox import registry
-
-        path = str(registry.pull(registry.DEFAULT_MODEL_ID, quiet=True))
-    cfg = EngineConfig(model_path=path, model_id="bench", slots=8, ctx=512,
-                       dtype=args.dtype, device=args.device, threads=args.threads)
-    engine = Engine(cfg)
+    path = engine_rate.model_path(args.model)
+    engine = engine_rate.make_engine(path, dtype=args.dtype, device=args.device, threads=args.threads)
     r = engine.runner
     if args.weights != "auto" or args.linears != "own" or args.decode != "c":
         # rebuild the runner's decoder in place with the asked-for linears

@@ -11,7 +11,7 @@ import sys
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ("sample.c", "stop.c", "prefix.c", "linear.c", "attention.c", "layers.c", "quant.c",
+SOURCES = ("sample.c", "mask.c", "stop.c", "prefix.c", "linear.c", "attention.c", "layers.c", "quant.c",
            "kquant.c")
 
 

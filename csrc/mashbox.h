@@ -64,6 +64,16 @@ int mb_sample(float *logits, int32_t rows, int32_t vocab, const float *params,
 int mb_logprobs(const float *logits, int32_t rows, int32_t vocab, const int32_t *ids, int32_t top_n,
                 float *out_logprobs, int32_t *out_top_ids, float *out_top_logprobs);
 
+/* Constrained decoding's token bitmask (csrc/mask.c): for each row r with
+ * row_mask[r] >= 0, logits[r, t] = -inf unless bit t % 32 of
+ * bitmask[row_mask[r] * words + t / 32] is set (ids from words * 32 on: -inf too);
+ * rows with row_mask[r] == -1 are untouched.
+ * logits:   float[rows * vocab], in place
+ * bitmask:  uint32[mask_rows * words]
+ * row_mask: int32[rows], each in [-1, mask_rows) */
+int mb_apply_token_bitmask(float *logits, int32_t rows, int32_t vocab, const uint32_t *bitmask,
+                           int32_t mask_rows, int32_t words, const int32_t *row_mask);
+
 /* Stop matching on UTF-8 bytes. stops: the stop strings' bytes one after another,
  * string i at stops[stop_offsets[i] .. stop_offsets[i+1]) (empty ones never match).
  * buf: held-back bytes then new bytes, len in all; matches ending at or before

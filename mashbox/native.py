@@ -196,6 +196,34 @@ def logprobs(logits: np.ndarray, ids: np.ndarray, top_n: int):
     return out, top_ids, top_lp
 
 
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, row_mask: np.ndarray) -> None:
+    """Constrained decoding's token mask on float32[rows, vocab] logits, in place (rules in
+    native_ref.apply_token_bitmask): bitmask int32 or uint32[mask_rows, words]
+    (llguidance's packed words), row_mask int32[rows] (-1: the row is left alone)."""
+    logits = _array(logits, np.float32, "logits", 2, writable=True)
+    rows, vocab = logits.shape
+    if not (isinstance(bitmask, np.ndarray) and bitmask.dtype in (np.int32, np.uint32)
+            and bitmask.ndim == 2 and bitmask.flags.c_contiguous):
+        raise ValueError("bitmask must be a C-contiguous 2-dimensional int32 or uint32 array")
+    mask_rows, words = bitmask.shape
+    if words < 1:
+        raise ValueError("bitmask must have at least one word per row")
+    row_mask = _array(row_mask, np.int32, "row_mask", 1)
+    if row_mask.shape != (rows,):
+        raise ValueError(f"row_mask must have shape ({rows},), got {row_mask.shape}")
+    if rows and (row_mask.min() < -1 or row_mask.max() >= mask_rows):
+        raise ValueError(f"row_mask entries must lie in [-1, {mask_rows})")
+    if vocab < 1:
+        raise ValueError("logits: vocab must be at least 1")
+    if _lib is None:
+        native_ref.apply_token_bitmask(logits, bitmask.view(np.uint32), row_mask)
+        return
+    if rows == 0:
+        return
+    _check(_lib.mb_apply_token_bitmask(_ptr("float *", logits), rows, vocab, _ptr("uint32_t *", bitmask),
+                                       mask_rows, words, _ptr("int32_t *", row_mask)), "apply_token_bitmask")
+
+
 class StopMatcher:
     """Incremental stop-string matching with hold-back (rules in native_ref).
 

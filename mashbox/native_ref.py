@@ -292,6 +292,23 @@ class StopMatcher:
         return held
 
 
+def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, row_mask: np.ndarray) -> None:
+    """Constrained decoding's mask (csrc/mask.c), in place on float32[rows, vocab] logits:
+    row r with row_mask[r] >= 0 keeps logits[r, t] only where bit t % 32 of
+    bitmask[row_mask[r], t // 32] (uint32[mask_rows, words], llguidance's layout) is set;
+    every other id, those from words * 32 on too, becomes -inf. row_mask[r] == -1: the
+    row is untouched."""
+    vocab = logits.shape[1]
+    words = bitmask.shape[1]
+    for r, m in enumerate(row_mask.tolist()):
+        if m < 0:
+            continue
+        for t in range(vocab):
+            w = t // 32
+            if w >= words or not (int(bitmask[m, w]) >> (t % 32)) & 1:
+                logits[r, t] = -np.inf
+
+
 def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
     """uint64[len(ids) // block]: hash i covers ids[: (i+1)*block]."""
     if block < 1:

@@ -35,6 +35,7 @@ import signal
 from typing import Any, Callable, Optional
 
 from mashbox.api.common import ApiContext
+from mashbox.api.prompt import warm_grammar
 from mashbox.api.prompt_pool import PromptPool
 from mashbox.config import EngineConfig, ServerConfig
 
@@ -112,6 +113,7 @@ async def serve_async(server_config: ServerConfig, engine_config: EngineConfig,
     tokenizer, template = text if text is not None else (None, None)
     api = make_context(server_config, engine_config, engine, tokenizer, template)
     router = build_router(api, make_guard(server_config))
+    warm_grammar(api.tokenizer)  # the grammar checks' tokenizer, while the model loads (api/prompt.py)
 
 
     shutdown = api.shutdown

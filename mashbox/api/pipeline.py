@@ -49,7 +49,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Proto
 from mashbox.api import common
 from mashbox.api.common import ApiContext, SamplingFields
 from mashbox.api.generation import EventStream, Generation, GenerationError, Piece, Result
-from mashbox.api.prompt import Conversation, Prompt, chat_prompt, text_prompt
+from mashbox.api.prompt import Conversation, Prompt, chat_prompt, settled, text_prompt
 from mashbox.http.response import HTTPError, json_response
 from mashbox.http.sse import StreamResponse
 
@@ -249,6 +249,7 @@ def handler(api: ApiContext, surface: Surface):
             raise shutting_down_error(surface.family)
         common.require_ready(api, surface.family)
         request, prompt = await off_loop(api, req, job)
+        prompt = await settled(api, prompt)  # a new grammar is checked off the loop
         if shutdown.draining:
             raise shutting_down_error(surface.family)
         answer_id = common.new_id(surface.id_prefix)

@@ -29,7 +29,9 @@ Rules:
 - Constrained output (text/grammar.py): a response format (`Conversation.output_format`)
   and the tool choice make the request's `Constraint`, checked here (compiled against the
   model's vocabulary) so a schema llguidance cannot compile is a 400 naming its field
-  before anything is queued. With tools in play: required / named -> only the call(s)
+  before anything is queued. A grammar not checked before is checked on the grammar
+  thread (`settled`, awaited by the route), never on the event loop: /health and the
+  other streams go on while a big tool set compiles. With tools in play: required / named -> only the call(s)
   after the forced opening: one call unless parallel_tool_calls is true (a small model
   forced to call repeats the call until max_tokens when it may); auto -> free
   text whose calls are bound to the tools (lazy), or, with a response format, either
@@ -49,7 +51,11 @@ Rules:
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -92,6 +98,8 @@ class Conversation:
     later_system: str = "remind"  # a system message after the first turn: "join" | "remind"
     output_format: Optional[OutputFormat] = None  # structured output (module rules)
     parallel_tool_calls: Optional[bool] = None  # False: at most one call; None: unsaid (module rules)
+    # (the name the model sees, a Lark grammar) of custom tools whose input must follow it
+    tool_grammars: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class Prompt:
     starts_in_reasoning: bool = False  # the generation prompt opened a think block
     tool_names: tuple[str, ...] = ()
     constraint: Optional[Constraint] = None  # what the sampled text must match (module rules)
+    pending: Optional["ConstraintPlan"] = None  # its candidates, while not yet checked (settled())
 
 
 # ---------------------------------------------------------------------------------------
@@ -252,70 +261,145 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
     return requested
 
 
+# The grammar checks run on one thread of their own (GRAMMAR_THREAD), never on the event
+# loop: llguidance drops the GIL while it compiles, so other connections go on. Its
+# tokenizer holds the GIL while it is built (~0.3 s), so that happens at start-up
+# (`warm_grammar`, app.serve_async), not at the first constrained request.
 _LL_TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (the grammar check)
+_LL_LOCK = threading.Lock()
+_GRAMMAR_THREAD: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _grammar_thread() -> concurrent.futures.ThreadPoolExecutor:
+    global _GRAMMAR_THREAD
+    with _LL_LOCK:
+        if _GRAMMAR_THREAD is None:
+            _GRAMMAR_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-grammar-check")
+        return _GRAMMAR_THREAD
 
 
 def _ll_tokenizer(tokenizer):
-    key = id(tokenizer)
-    if key not in _LL_TOKENIZERS:
-        _LL_TOKENIZERS[key] = grammar.ll_tokenizer(tokenizer)
-    return _LL_TOKENIZERS[key]
+    with _LL_LOCK:
+        key = id(tokenizer)
+        if key not in _LL_TOKENIZERS:
+            _LL_TOKENIZERS[key] = grammar.ll_tokenizer(tokenizer)
+        return _LL_TOKENIZERS[key]
+
+
+def warm_grammar(tokenizer) -> concurrent.futures.Future:
+    """Build the tokenizer's llguidance tokenizer on the grammar thread (server start-up)."""
+    return _grammar_thread().submit(_ll_tokenizer, tokenizer)
 
 
 _CHECKED: dict[str, Optional[str]] = {}  # grammar text -> check()'s answer (agents resend their tools)
 CHECKED_MAX = 256
 
 
+def _key(constraint: Constraint) -> str:
+    return constraint.kind + "\0" + constraint.grammar
+
+
 def _check(api: ApiContext, constraint: Constraint) -> Optional[str]:
-    key = constraint.kind + "\0" + constraint.grammar
+    key = _key(constraint)
     if key not in _CHECKED:
+        reason = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
         if len(_CHECKED) >= CHECKED_MAX:
-            _CHECKED.pop(next(iter(_CHECKED)))
-        _CHECKED[key] = grammar.check(constraint, _ll_tokenizer(api.tokenizer))
+            _CHECKED.pop(next(iter(_CHECKED)), None)
+        _CHECKED[key] = reason
     return _CHECKED[key]
 
 
-def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[Constraint]:
-    """The conversation's Constraint (module rules), checked; a 400 names the bad field.
-    A response format for a model that reasons lets it think first (`in_reasoning`: the
-    prompt opened the think block). Tool schemas that do not compile even leniently
-    leave the calls unbound (logged), as before grammars: they are not the client's
-    request for structured output."""
+@dataclass(frozen=True)
+class Candidate:
+    """One possible constraint of a request, not yet checked."""
+
+    constraint: Optional[Constraint]
+    field: Optional[str]  # a failure is a 400 naming it; None: logged, the next candidate is tried
+    error: Optional[str] = None  # known to fail already (the grammar could not even be written)
+
+
+@dataclass(frozen=True)
+class ConstraintPlan:
+    """A request's constraint candidates in order: the first that compiles is its constraint."""
+
+    candidates: tuple[Candidate, ...]
+
+    def settle(self, check) -> Optional[Constraint]:
+        """check(constraint) -> None or why it does not compile; a 400 for a failing
+        candidate with a field (module rules)."""
+        for cand in self.candidates:
+            reason = cand.error if cand.error is not None else check(cand.constraint)
+            if reason is None:
+                return cand.constraint
+            if cand.field is not None:
+                raise bad_request(f"{cand.field}: the grammar cannot be compiled: {reason}", cand.field)
+            log.warning("tool calls left unbound: their grammar does not compile: %s", reason)
+        return None
+
+    @property
+    def checked(self) -> bool:
+        """Every candidate's answer is known (cached): settling costs nothing."""
+        return all(c.error is not None or _key(c.constraint) in _CHECKED for c in self.candidates)
+
+
+def constraint_plan(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[ConstraintPlan]:
+    """The conversation's constraint candidates (module rules). A response format for a
+    model that reasons lets it think first (`in_reasoning`: the prompt opened the think
+    block). Tool schemas that do not compile even leniently leave the calls unbound
+    (logged), as before grammars: they are not the client's request for structured
+    output; the response format is tried next."""
     fmt = conv.output_format
     mode = conv.tool_choice.mode
-    constraint: Optional[Constraint] = None
     if not conv.tools or (mode == "none" and fmt is not None):
-        constraint = fmt.constraint if fmt is not None else None
-        if constraint is not None and api.template.reasoning:
+        if fmt is None:
+            return None
+        constraint = fmt.constraint
+        if api.template.reasoning:
             constraint = grammar.after_reasoning(constraint, in_reasoning, api.tokenizer.added_tokens)
-    else:
-        parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
-        with_fmt = fmt.constraint if fmt is not None and mode == "auto" else None
-        try:
-            reasoning = ("opened" if in_reasoning else "optional") if api.template.reasoning else None
-            lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
-                                             api.tokenizer.added_tokens, with_fmt, reasoning)
-            tools_constraint: Optional[Constraint] = Constraint("tool_calls", lark)
-            reason = _check(api, tools_constraint)
-        except grammar.GrammarError as exc:
-            tools_constraint, reason = None, str(exc)
-        if reason is None:
-            return tools_constraint
-        log.warning("tool calls left unbound: their grammar does not compile: %s", reason)
-        constraint = fmt.constraint if fmt is not None and mode in ("auto", "none") else None
-    if constraint is None:
-        return None
-    reason = _check(api, constraint)
-    if reason is not None:
-        raise bad_request(f"{fmt.field}: the grammar cannot be compiled: {reason}", fmt.field)
-    return constraint
+        return ConstraintPlan((Candidate(constraint, fmt.field),))
+    parallel = conv.parallel_tool_calls if conv.parallel_tool_calls is not None else mode == "auto"
+    with_fmt = fmt.constraint if fmt is not None and mode == "auto" else None
+    try:
+        reasoning = ("opened" if in_reasoning else "optional") if api.template.reasoning else None
+        lark = grammar.tool_call_grammar(conv.tools, mode, conv.tool_choice.name, parallel,
+                                         api.tokenizer.added_tokens, with_fmt, reasoning,
+                                         dict(conv.tool_grammars))
+        tools = Candidate(Constraint("tool_calls", lark), None)
+    except grammar.GrammarError as exc:
+        tools = Candidate(None, None, str(exc))
+    if fmt is not None and mode in ("auto", "none"):
+        return ConstraintPlan((tools, Candidate(fmt.constraint, fmt.field)))
+    return ConstraintPlan((tools,))
+
+
+def answer_constraint(api: ApiContext, conv: Conversation, in_reasoning: bool = False) -> Optional[Constraint]:
+    """The conversation's Constraint, checked here and now; a 400 names the bad field."""
+    plan = constraint_plan(api, conv, in_reasoning)
+    return plan.settle(lambda c: _check(api, c)) if plan is not None else None
+
+
+async def settled(api: ApiContext, prompt: Prompt) -> Prompt:
+    """The prompt with its constraint checked on the grammar thread (a 400 names the bad
+    field), the event loop free meanwhile; a prompt with nothing to check as it is."""
+    if prompt.pending is None:
+        return prompt
+    plan = prompt.pending
+    loop = asyncio.get_running_loop()
+    constraint = await loop.run_in_executor(_grammar_thread(), plan.settle, lambda c: _check(api, c))
+    return dataclasses.replace(prompt, constraint=constraint, pending=None)
 
 
 def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) -> Prompt:
     """Render, tokenize, force the tool choice, fit max_tokens, make the constraint."""
     refuse_far_too_long(api, conversation_chars(conv), "messages")
     ids, in_reasoning, forced, use_tools = _render(api, conv)
-    constraint = answer_constraint(api, conv, in_reasoning)
+    plan = constraint_plan(api, conv, in_reasoning)
+    constraint, pending = None, None
+    if plan is not None:
+        if plan.checked or api.prompt_pool is None:  # cached, or no event loop to keep free here
+            constraint = plan.settle(lambda c: _check(api, c))
+        else:
+            pending = plan  # settled() checks it on the grammar thread
     fitted = fit_max_tokens(api, len(ids), max_tokens, "messages")
     return Prompt(
         ids=tuple(ids),
@@ -326,6 +410,7 @@ def chat_prompt(api: ApiContext, conv: Conversation, max_tokens: Optional[int]) 
         starts_in_reasoning=in_reasoning,
         tool_names=tool_names(conv.tools) if use_tools else (),
         constraint=constraint,
+        pending=pending,
     )
 
 

@@ -18,7 +18,8 @@ Rules:
   carry `namespace` and the inner name back), custom (shown as a function with one
   string parameter `input`; the call's `input` is that string, raw; a regex grammar
   format becomes that string's pattern, so the input is decoded under it; a lark one
-  is shown in the description). web_search and
+  is shown in the description and the input is decoded under it too: text/grammar.py
+  rewrites it for the JSON string the call carries). web_search and
   every other tool type mashbox cannot run are skipped.
 - reasoning: no `reasoning` object -> the template's default; effort "none" or
   "minimal" -> thinking off; any other effort, or none given -> thinking on.
@@ -383,6 +384,28 @@ def output_format(body: dict) -> Optional[OutputFormat]:
     return OutputFormat(grammar.json_schema_constraint(schema), "text.format.schema")
 
 
+def _lark_format(tool: dict) -> Optional[str]:
+    fmt = tool.get("format")
+    if tool.get("type") == "custom" and isinstance(fmt, dict) and fmt.get("type") == "grammar" and \
+            fmt.get("syntax") == "lark" and isinstance(fmt.get("definition"), str):
+        return fmt["definition"]
+    return None
+
+
+def tool_grammars(tools: Any) -> tuple[tuple[str, str], ...]:
+    """(the name the model sees, its Lark definition) of each custom tool with a lark
+    grammar format (conversation_tools already checked the tools' shapes)."""
+    out = []
+    for tool in tools if isinstance(tools, list) else ():
+        inner = tool.get("tools") if tool.get("type") == "namespace" else [tool]
+        namespace = tool.get("name") if tool.get("type") == "namespace" else None
+        for t in inner:
+            definition = _lark_format(t)
+            if definition is not None:
+                out.append((prompt_name(namespace, t["name"]), definition))
+    return tuple(out)
+
+
 def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
     common.require_object(body)
     check_unsupported(body)
@@ -395,6 +418,7 @@ def to_conversation(body: Any) -> tuple[Conversation, dict[str, ToolRef]]:
         enable_thinking=enable_thinking(body.get("reasoning")),
         output_format=output_format(body),
         parallel_tool_calls=common.get_bool(body, "parallel_tool_calls", None),
+        tool_grammars=tool_grammars(body.get("tools")),
     )
     return conv, refs
 

@@ -1,33 +1,39 @@
 """The grammar matchers of the constrained requests, and the masks they put on the logits.
 
 Rules:
-- A request with a `Constraint` gets an llguidance matcher when it is submitted (a
-  grammar that does not compile fails that request only); it is dropped when the
-  request finishes, whatever the way.
-- The step: `begin(rows)` starts computing the next-token bitmask of every constrained
-  row that samples this step, on one background thread, while the forward pass runs
-  (llguidance and torch both release the GIL); `apply(logits, rows)` waits for it and
-  sets the disallowed logits to -inf before sampling. After sampling, `consume(id, tok)`
+- A request with a `Constraint` gets an llguidance matcher when it is submitted. A
+  grammar compiled before (COMPILED_MAX are kept: an agent sends the same tools every
+  turn) gives it a copy at once (microseconds); a new one is compiled on the grammar
+  thread, off the step: `add` says the request must wait, the worker holds it back from
+  the scheduler and `compiled()` hands it over once its matcher is made (or its grammar
+  failed: that request fails alone). The other rows go on decoding meanwhile
+  (llguidance drops the GIL while it compiles). A matcher is dropped when its request
+  finishes, whatever the way.
+- The llguidance tokenizer is built once, on the grammar thread, when the table is
+  made (the worker's start-up; ~0.3 s that holds the GIL, so never during a step), sized
+  to the model's vocabulary: ids the tokenizer lacks (padding rows) are never allowed.
+- The step: `begin(rows)` hands the next-token bitmask of every constrained row that
+  samples this step to the mask thread (one thread, started once, fed before the
+  forward), which computes it while the forward pass runs (llguidance and the forward
+  both drop the GIL); `apply(logits)` joins it and sets the disallowed logits to -inf in
+  C (native.apply_token_bitmask) before sampling. After sampling, `consume(id, tok)`
   advances the matcher; it says when the grammar is complete (the value is done: the
   request stops there) or broken.
 - Rows without a constraint pay nothing: with no constrained row in the step, begin and
-  apply return at once and nothing is allocated. A row's mask depends on its own
-  matcher only (batch invariance).
-- A grammar is compiled once (25 agent tools: ~0.1 s) and kept, COMPILED_MAX of them;
-  each request gets a copy of the fresh matcher (microseconds).
-- The llguidance tokenizer is made on the first constrained request (~0.3 s), sized to
-  the model's vocabulary: ids the tokenizer lacks (padding rows) are never allowed.
+  apply return at once. A row's mask depends on its own matcher only (batch invariance).
 - Buffers are made once: the bitmask int32[slots, ceil(vocab / 32)] (row i: the i-th
-  sampled row of the step) and its bool unpacking scratch [slots, words * 32].
+  sampled row of the step) and the rows' mask index int32[slots] (-1: unconstrained).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
 
+from mashbox import native
 from mashbox.config import Constraint
 from mashbox.text import grammar
 
@@ -37,46 +43,135 @@ OK, DONE, BROKEN = "ok", "done", "broken"  # what consume() says of a matcher
 COMPILED_MAX = 32  # grammars kept compiled (an agent sends the same tools every turn)
 
 
+class _MaskThread:
+    """One thread, started once, that fills bitmask rows while the caller does something
+    else (the forward). start() hands it a job, join() waits for it; two locks used as
+    binary semaphores make the hand-off (cheaper than a pool's futures per step). All
+    the rows are one llguidance call, which drops the GIL once: a call per row would
+    take the GIL back between rows, and each take can make the forward's thread wait
+    for it (a switch interval, or a time slice on a busy machine)."""
+
+    def __init__(self, bitmask: np.ndarray) -> None:
+        import llguidance
+
+        self._bitmask = bitmask  # int32[rows, words], written by the job
+        self._executor = llguidance.LLExecutor(1)
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._pairs: Optional[list] = None
+        self._error: Optional[BaseException] = None
+        self.busy = False
+        threading.Thread(target=self._run, name="mashbox-mask", daemon=True).start()
+
+    def _run(self) -> None:
+        import llguidance.numpy as lln
+
+        while True:
+            self._go.acquire()
+            try:
+                lln.fill_next_token_bitmask_par(self._executor, self._pairs, self._bitmask)
+            except BaseException as exc:  # noqa: BLE001 - handed to join()'s caller
+                self._error = exc
+            self._pairs = None
+            self._done.release()
+
+    def start(self, pairs: list) -> None:
+        """pairs: (matcher, bitmask row) each."""
+        self._pairs = pairs
+        self.busy = True
+        self._go.release()
+
+    def join(self) -> None:
+        if not self.busy:
+            return
+        self._done.acquire()
+        self.busy = False
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class ConstraintTable:
     def __init__(self, tokenizer, vocab_size: int, slots: int) -> None:
-        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.bitmask = np.zeros((slots, self.words), dtype=np.int32)  # [slots, words]
-        self._allowed = np.zeros((slots, self.words * 32), dtype=bool)  # [slots, words * 32]
+        self._row_mask = np.full(slots, -1, dtype=np.int32)  # [slots]: sampled row -> its bitmask row, -1 = free
         self._matchers: dict[str, object] = {}  # request id -> llguidance.LLMatcher
         self._compiled: dict[Constraint, object] = {}  # constraint -> an unused matcher, copied per request
-        self._lltok = None
-        self._executor = None  # llguidance.LLExecutor, with the tokenizer
-        self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._pending: Optional[concurrent.futures.Future] = None
+        # request id -> (its constraint, its compile on the grammar thread)
+        self._compiling: dict[str, tuple[Constraint, concurrent.futures.Future]] = {}
+        # the grammar thread: the tokenizer first, then the compiles, in order
+        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-grammar")
+        self._lltok = self._grammar_thread.submit(grammar.ll_tokenizer, tokenizer, vocab_size)
+        self._mask = _MaskThread(self.bitmask)
         self._rows: list[int] = []  # positions (among the step's sampled rows) that are constrained
-
-    def _ensure(self) -> None:
-        if self._lltok is None:
-            import llguidance
-
-            self._lltok = grammar.ll_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
-            self._executor = llguidance.LLExecutor(1)
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-mask")
 
     @property
     def active(self) -> bool:
         return bool(self._matchers)
 
-    def add(self, request_id: str, constraint: Constraint) -> None:
-        """A matcher for a submitted request; GrammarError when it does not compile."""
-        self._ensure()
+    @property
+    def compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def add(self, request_id: str, constraint: Constraint) -> bool:
+        """A matcher for a submitted request: True when it is ready now (a grammar compiled
+        before); False when it is being compiled (compiled() says when it is done)."""
         fresh = self._compiled.get(constraint)
+        if fresh is not None:
+            self._matchers[request_id] = fresh.deep_copy()
+            return True
+        self._compiling[request_id] = (constraint, self._grammar_thread.submit(self._compile, constraint))
+        return False
+
+    def _compile(self, constraint: Constraint):
+        """On the grammar thread: the fresh matcher of a constraint (kept for the next
+        request with it); GrammarError when it does not compile."""
+        fresh = self._compiled.get(constraint)  # compiled meanwhile for another request
         if fresh is None:
-            fresh = grammar.matcher(constraint, self._lltok)
-            if len(self._compiled) >= COMPILED_MAX:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[constraint] = fresh
-        self._matchers[request_id] = fresh.deep_copy()
+            fresh = grammar.matcher(constraint, self._lltok.result())
+        return fresh
+
+    def compiled(self) -> list[tuple[str, Optional[str]]]:
+        """(request id, None or why its grammar failed) of each compile that ended since
+        the last call; a request whose compile succeeded now has its matcher."""
+        out = []
+        for rid, (constraint, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            try:
+                fresh = fut.result()
+            except ValueError as exc:  # GrammarError, or llguidance's own
+                out.append((rid, str(exc) or type(exc).__name__))
+                continue
+            except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failed: this request fails, not the worker
+                log.exception("request %s: its grammar could not be compiled", rid)
+                out.append((rid, f"the grammar could not be compiled: {type(exc).__name__}: {exc}"))
+                continue
+            if constraint not in self._compiled:
+                if len(self._compiled) >= COMPILED_MAX:
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[constraint] = fresh
+            self._matchers[rid] = fresh.deep_copy()
+            out.append((rid, None))
+        return out
+
+    def wait_compiles(self, timeout: float) -> None:
+        """Block until a compile ends or `timeout` seconds pass (the worker has nothing
+        else to do)."""
+        if self._compiling:
+            concurrent.futures.wait([f for _, f in self._compiling.values()], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        pending = self._compiling.pop(request_id, None)
+        if pending is not None:
+            pending[1].cancel()  # one already running ends unused
 
     def has(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -86,35 +181,24 @@ class ConstraintTable:
         that sample, in order) on the mask thread."""
         if not self._matchers:
             return
-        self._settle()
+        self._mask.join()  # a mask a failed forward left running (it writes into the bitmask)
         pairs = [(self._matchers[rid], i) for i, rid in enumerate(sampled_ids) if rid in self._matchers]
         self._rows = [i for _, i in pairs]
         if not pairs:
             return
-        import llguidance.numpy as lln
-
-        self._pending = self._thread.submit(lln.fill_next_token_bitmask_par, self._executor, pairs, self.bitmask)
-
-    def _settle(self) -> None:
-        """Wait out a mask a failed forward left running (it writes into the bitmask)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            concurrent.futures.wait([pending])
+        self._mask.start(pairs)
 
     def apply(self, logits: np.ndarray) -> None:
         """logits: float32[n, vocab], the step's sampled rows in begin()'s order; the
         constrained rows' disallowed ids become -inf, in place."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if not self._mask.busy:
             return
-        pending.result()
-        rows = self._rows
-        vocab = logits.shape[1]
-        bits = self.bitmask[rows].view(np.uint8)  # [k, words * 4]
-        allowed = self._allowed[: len(rows)]
-        allowed[:] = np.unpackbits(bits, axis=1, bitorder="little").view(bool)
-        for k, i in enumerate(rows):
-            np.putmask(logits[i], ~allowed[k, :vocab], -np.inf)
+        self._mask.join()
+        n = logits.shape[0]
+        row_mask = self._row_mask[:n]
+        row_mask.fill(-1)
+        row_mask[self._rows] = self._rows  # sampled row i reads bitmask row i
+        native.apply_token_bitmask(logits, self.bitmask, row_mask)
 
     def consume(self, request_id: str, token: int) -> str:
         """Advance a request's matcher by its sampled token: OK, DONE (the grammar admits

@@ -26,6 +26,8 @@ from mashbox.engine.scheduler import Scheduler
 
 log = logging.getLogger("mashbox.engine.worker")
 
+COMPILE_POLL_S = 0.05  # an idle step waits this long for a grammar compile (frames wait behind it)
+
 
 class _Output:
     """Per-request text state: incremental detokenizer and stop matcher."""
@@ -56,6 +58,7 @@ class Engine:
         self.constraints = ConstraintTable(self.tokenizer, self.runner.vocab_size, cfg.slots)
         self._outputs: dict[str, _Output] = {}
         self._pending: list[StepEvent] = []  # events made between steps (cancel, errors)
+        self._compiling: dict[str, Request] = {}  # submitted, waiting for their grammar (constraints.py)
         self.steps = 0
 
     # -- info ---------------------------------------------------------------------------
@@ -123,12 +126,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._pending)
+        return self.scheduler.has_work or bool(self._pending) or bool(self._compiling)
 
     # -- requests -----------------------------------------------------------------------
 
     def submit(self, req: GenerationRequest) -> None:
-        if self.scheduler.get(req.id) is not None:
+        if self.scheduler.get(req.id) is not None or req.id in self._compiling:
             self._pending.append(StepEvent(id=req.id, finish_reason="error",
                                            error=f"request id {req.id!r} is already running"))
             return
@@ -138,8 +141,9 @@ class Engine:
             if req.prompt_ids and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab):
                 # one bad id would fail the forward of every request in its step
                 raise ValueError(f"prompt_ids holds an id outside the vocabulary [0, {vocab})")
-            if req.constraint is not None:  # GrammarError is a ValueError: this request fails alone
-                self.constraints.add(req.id, req.constraint)
+            if req.constraint is not None and not self.constraints.add(req.id, req.constraint):
+                self._compiling[req.id] = r  # its grammar compiles off the step; the others go on
+                return
             self.scheduler.add(r)
         except ValueError as e:
             self.constraints.drop(req.id)
@@ -147,7 +151,28 @@ class Engine:
                                            prompt_tokens=r.num_prompt, timings=Timings()))
             return
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling go to the scheduler (or fail alone)."""
+        for rid, error in self.constraints.compiled():
+            r = self._compiling.pop(rid)
+            if error is None:
+                try:
+                    self.scheduler.add(r)
+                    continue
+                except ValueError as e:
+                    error = str(e)
+                    self.constraints.drop(rid)
+            self._pending.append(StepEvent(id=rid, finish_reason="error", error=error,
+                                           prompt_tokens=r.num_prompt, timings=Timings()))
+
     def cancel(self, request_id: str) -> None:
+        if request_id in self._compiling:
+            r = self._compiling.pop(request_id)
+            self.constraints.drop(request_id)
+            r.move(State.FINISHED)
+            r.finish_reason = "cancelled"
+            self._pending.append(self._final_event(r, "", time.perf_counter()))
+            return
         r = self.scheduler.cancel(request_id)
         if r is not None:
             self._pending.append(self._final_event(r, "", time.perf_counter()))
@@ -157,6 +182,10 @@ class Engine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[StepEvent]:
+        if self._compiling:
+            if not self.scheduler.has_work and not self._pending:
+                self.constraints.wait_compiles(COMPILE_POLL_S)  # nothing else to do meanwhile
+            self._admit_compiled()
         events, self._pending = self._pending, []
         sched = self.scheduler
         plan = sched.schedule()

@@ -255,3 +255,42 @@ def test_responses_custom_tool_with_a_regex_grammar(openai_client, model_id):
                                        input="Set the access code to something.")
     assert [o.type for o in r.output] == ["custom_tool_call"], r.output
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.output[0].input), r.output[0].input
+
+
+NOTE_GRAMMAR = r'''start: "*** Begin Note" LF entry{1,3} "*** End Note"
+entry: "+ " NAME ": " /[^\n]{0,30}/ LF
+NAME: /[a-z]{1,10}/
+%import common.LF
+'''
+
+
+def test_responses_custom_tool_with_a_lark_grammar(openai_client, model_id, default_model_path):
+    """The call's input follows the tool's Lark grammar (checked by llguidance on the raw
+    grammar, not the rewritten one the server decoded under), forced and required."""
+    from mashbox.config import Constraint
+    from mashbox.text import grammar
+    from mashbox.text.tokenizer import load_tokenizer
+
+    tool = {"type": "custom", "name": "write_note", "description": "Write a note.",
+            "format": {"type": "grammar", "syntax": "lark", "definition": NOTE_GRAMMAR}}
+    weather = {"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}
+    asks = [("Write a note about the shopping list.", {"type": "custom", "name": "write_note"}, [tool]),
+            ("Write a note about your day.", "required", [tool, weather])]
+
+    def ask(case):
+        text, choice, tools = case
+        return openai_client.responses.create(model=model_id, max_output_tokens=MAX_TOKENS, tools=tools,
+                                              tool_choice=choice, input=text)
+
+    tok = load_tokenizer(default_model_path)
+    raw = grammar.ll_tokenizer(tok)
+    for (text, choice, _), r in zip(asks, _concurrently(ask, asks)):
+        calls = [o for o in r.output if o.type in ("custom_tool_call", "function_call")]
+        assert calls, r.output
+        for call in calls:
+            if call.type == "function_call":  # required with two tools: the model may pick the other
+                jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+                continue
+            m = grammar.matcher(Constraint("lark", NOTE_GRAMMAR), raw)
+            ids = tok.encode(call.input)
+            assert m.try_consume_tokens(ids) == len(ids) and m.is_accepting(), call.input

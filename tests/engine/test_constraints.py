@@ -72,3 +72,39 @@ def test_constrained_rows_validate_end_when_complete_and_are_batch_invariant(tin
     # a grammar that does not compile fails its request only
     assert got_bad.final.finish_reason == "error" and "nowhere" in got_bad.final.error
     assert got_lark.text in ("yes!", "no!") and got_lark.final.finish_reason == "stop"
+
+
+def test_a_new_grammar_compiles_off_the_step_while_other_rows_decode(tiny, tiny_tok):
+    """In process: the grammar thread is held (an event) so the compile cannot have
+    finished; the free row keeps getting a token every step, the constrained one waits
+    unscheduled; once released, it decodes under its grammar. A cancel while compiling
+    ends it at once."""
+    import threading
+
+    from mashbox.engine.worker import Engine
+
+    engine = Engine(tiny_config(tiny))
+    gate = threading.Event()
+    engine.constraints._grammar_thread.submit(gate.wait)  # the compile queues behind it
+    prompt = tiny_tok.encode("hello there")
+    engine.submit(req("free", prompt, 30, ignore_eos=True))
+    engine.submit(constrained("json", prompt, SCHEMAS[0], seed=1))
+    engine.submit(constrained("gone", prompt, SCHEMAS[1], seed=2))
+    got: dict[str, list] = {"free": [], "json": [], "gone": []}
+    for _ in range(6):
+        for ev in engine.step():
+            got[ev.id].append(ev)
+    assert engine.constraints.compiling and engine.scheduler.get("json") is None
+    assert sum(len(e.token_ids) for e in got["free"]) >= 5 and not got["json"]
+    engine.cancel("gone")
+    (ev,) = [e for e in engine.step() if e.id == "gone"]
+    assert ev.finish_reason == "cancelled"
+    gate.set()
+    while engine.has_work:
+        for ev in engine.step():
+            got[ev.id].append(ev)
+    text = "".join(e.text for e in got["json"])
+    assert got["json"][-1].finish_reason == "stop", text
+    jsonschema.validate(json.loads(text), SCHEMAS[0])
+    # the same grammar again is compiled already: the matcher is there at submit
+    assert engine.constraints.add("again", Constraint("json_schema", json.dumps(SCHEMAS[0])))

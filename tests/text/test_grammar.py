@@ -168,3 +168,78 @@ def test_a_reasoning_model_with_tools_thinks_with_its_think_tokens(qwen_dir, tmp
         ids = tok.encode(thought + "</think>\n\nSure.\n" + CALL)  # the added tokens match whole
         assert tok.added_tokens["</think>"] in ids and tok.added_tokens["<tool_call>"] in ids
         assert m.try_consume_tokens(ids) == len(ids) and m.is_accepting(), reasoning
+
+
+# -- custom tools' Lark grammars, inside the call's JSON string ---------------------------
+
+PATCH = r'''start: begin hunk+ end
+begin: "*** Begin Patch" LF
+end: "*** End Patch" LF?
+hunk: add | update
+add: "*** Add File: " filename LF add_line+
+update: "*** Update File: " filename LF change+
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+change: ("@@" | "@@ " /(.+)/) LF (("+" | "-" | " ") /(.*)/ LF)*
+%import common.LF  // Lark's own
+'''
+GOOD_PATCHES = [
+    '*** Begin Patch\n*** Add File: a "b".txt\n+hello\t\\world\n*** End Patch\n',
+    '*** Begin Patch\n*** Update File: x.py\n@@ def f():\n-    return 1\n+    return "2"\n*** End Patch',
+]
+BAD_PATCHES = [
+    '*** Begin Patch\n*** Add File: a.txt\nhello\n*** End Patch\n',  # a line without +
+    '*** Begin Patch\n*** Add File: a.txt\n+x\n',  # not ended
+]
+APPLY = {"type": "function", "function": {"name": "apply_patch", "parameters": {
+    "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}}
+
+
+def _escaped(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def test_a_lark_grammar_is_rewritten_for_its_json_escaped_text(qwen):
+    start, rules = grammar.json_string_lark(PATCH, "g0_")
+    c = Constraint("lark", "\n".join([f"start: {start}", *rules]) + "\n")
+    for text in GOOD_PATCHES:
+        assert accepts(qwen, c, _escaped(text)), text
+        assert not accepts(qwen, c, text)  # raw newlines and quotes are not JSON string text
+    for text in BAD_PATCHES:
+        assert not accepts(qwen, c, _escaped(text)), text
+    for pattern, text, ok in [(r"/[^a]+/", 'b"\n\\', True), (r"/[^a]+/", "ba", False), (r"/\d{2,3}/", "123", True),
+                              (r"/\d{2,3}/", "1", False), (r'"x\ty"', "x\ty", True), (r"/[a-z\s]*/", "a b\nc", True)]:
+        start, rules = grammar.json_string_lark(f"start: {pattern}", "g1_")
+        lark = Constraint("lark", "\n".join([f"start: {start}", *rules]) + "\n")
+        assert accepts(qwen, lark, _escaped(text)) is ok, (pattern, text)
+    for bad in ['start: "a"i', "start: /a/i", "start: A\n%ignore WS", "start: <tool_call>", "start: /(?=a)a/",
+                "start: x\n%import common.ESCAPED_STRING"]:
+        with pytest.raises(grammar.GrammarError):
+            grammar.json_string_lark(bad, "g0_")
+
+
+def test_custom_tool_calls_follow_their_grammar_in_every_mode(qwen):
+    grammars = {"apply_patch": PATCH}
+
+    def call(text: str) -> str:
+        body = json.dumps({"name": "apply_patch", "arguments": {"input": text}}, ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>"
+
+    def choice(mode, name=None):
+        return Constraint("tool_calls", grammar.tool_call_grammar(
+            [WEATHER, APPLY], mode, name, False, ADDED, None, None, grammars))
+
+    auto, required, named = choice("auto"), choice("required"), choice("named", "apply_patch")
+    for text in GOOD_PATCHES:
+        assert accepts(qwen, auto, "Patching.\n" + call(text))
+        assert accepts(qwen, required, call(text).removeprefix("<tool_call>\n"))
+        forced = '<tool_call>\n{"name": "apply_patch", "arguments": '
+        assert accepts(qwen, named, call(text).removeprefix(forced))
+    for text in BAD_PATCHES:
+        assert not accepts(qwen, auto, "Patching.\n" + call(text))
+        assert not accepts(qwen, required, call(text).removeprefix("<tool_call>\n"))
+    assert accepts(qwen, required, CALL.removeprefix("<tool_call>\n"))  # the function tool is still there
+    # a grammar that cannot be rewritten leaves that input a free string (required with
+    # one tool is that tool named)
+    loose = grammar.tool_call_grammar([APPLY], "required", None, False, ADDED, grammars={"apply_patch": 'start: "a"i'})
+    assert accepts(qwen, Constraint("tool_calls", loose), call("anything").removeprefix(forced))
