@@ -21,7 +21,7 @@ from typing import Optional
 from mashbox.config import EngineConfig, GenerationRequest, StepEvent, Timings
 from mashbox.engine import frames
 from mashbox.engine.constraints import BROKEN, DONE, ConstraintTable
-from mashbox.engine.request import Request
+from mashbox.engine.request import Request, State
 from mashbox.engine.scheduler import Scheduler
 
 log = logging.getLogger("mashbox.engine.worker")
