@@ -15,7 +15,8 @@ prompt_n / prompt_ms is the prefill speed. Prints one line per size and server:
 
     prefill <size>: mashbox <prompt_n> tokens <seconds> s <tok/s> tok/s | llama-server ... | <x>x
 
-and the load average beside each (a busy machine's figures are not the machine's).
+and the load average beside each (a busy machine's figures are not the machine's), then
+the same as one markdown table (prompt size, tokens, seconds, tok/s per server, the ratio).
 
 Usage: python benchmarks/prefill.py [--model PATH] [--sizes 5000,10000,20000,30000]
        [--ctx 32768] [--threads 2] [--prefill-chunk N] [--timeout 1800]
@@ -257,8 +258,9 @@ def main() -> None:
             wait_ready(p, proc, 600)
         # one tool count for every server: mashbox's tokens decide it
         plan = {size: tools_for(servers[0][2], size, args.timeout) for size in sizes}
+        table = []
         for size in sizes:
-            parts, speeds = [], []
+            parts, speeds, cells = [], [], []
             for name, _, p in servers:
                 try:
                     n, secs = prefill(p, plan[size], args.timeout)
@@ -266,9 +268,17 @@ def main() -> None:
                     raise SystemExit(f"{name} answered {exc.code} at {size} tokens: {exc.read()[:300]!r}") from None
                 speeds.append(n / secs)
                 parts.append(f"{name} {n} tokens {secs:.1f} s {n / secs:.0f} tok/s")
+                cells += [f"{n}", f"{secs:.1f}", f"{n / secs:.0f}"]
             ratio = f" | {speeds[0] / speeds[1]:.2f}x" if len(speeds) > 1 else ""
-            print(f"prefill {size}: " + " | ".join(parts) + ratio
-                  + f"   (load average {os.getloadavg()[0]:.1f})", flush=True)
+            load = os.getloadavg()[0]
+            print(f"prefill {size}: " + " | ".join(parts) + ratio + f"   (load average {load:.1f})", flush=True)
+            table.append([f"{size}"] + cells + ([f"{speeds[0] / speeds[1]:.2f}x"] if len(speeds) > 1 else [])
+                         + [f"{load:.1f}"])
+        head = ["prompt"] + [f"{name} {col}" for name, _, _ in servers for col in ("tokens", "s", "tok/s")]
+        head += (["vs llama-server"] if len(servers) > 1 else []) + ["load avg"]
+        print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for row in table:
+            print("| " + " | ".join(row) + " |")
     finally:
         for _, proc, _ in servers:
             proc.terminate()

@@ -313,23 +313,30 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
 /* ==== Prefill attention: causal, tiled over queries and keys ====
  *
  * Why it exists: a 20k-token prompt's attention is ~14 TFLOP on the default model; SDPA's
- * CPU kernel runs it on float32 arithmetic over padded key widths. Here each work item is
- * one tile of MB_PF_Q consecutive queries of one prompt row and one K/V head (its group of
- * query heads together), walked over its keys in blocks of MB_PF_BLOCK from key 0 with an
- * online softmax, the dot products on AVX512-BF16's vdpbf16ps.
+ * CPU kernel runs it on float32 arithmetic over padded key widths. Here a tile is
+ * MB_PF_Q consecutive queries of one prompt row and one K/V head (its group of query
+ * heads together), walked over its keys in blocks of MB_PF_BLOCK from key 0 with an
+ * online softmax, the dot products on AVX512-BF16's vdpbf16ps; a work item walks up to
+ * MB_PF_TILES neighbouring tiles together, each block of K/V read once for all of them.
  *
  * Arithmetic (mashbox/native_ref.py's bf16_prefill_attention states the same rule in
  * numpy; the tests compare bits). Per query at position p (keys k with k <= p and, with a
  * window w > 0, k > p - w: the valid keys) and query head, float32, each operation
  * rounded, denormal inputs and sums flushed to zero (vdpbf16ps' rules, as linear.c's):
- *   s_k = dot(q, k_k) * scale, dot over head_dim pairs in order from 0:
+ *   s_k = dot(q, k_k) * scale2, scale2 = scale * log2(e) (float32 product: the scores
+ *         in base 2), dot over head_dim pairs in order from 0:
  *         s = s + q[2i+1] k[2i+1]; s = s + q[2i] k[2i];
  *   blocks of MB_PF_BLOCK keys anchored at key 0; m starts at -inf, l and acc at 0; a
- *         block whose largest valid score top > m scales l and acc by e(m - top) and sets
- *         m = top; then p_k = bfloat16(e(s_k - m)) (nearest even) for a valid key, 0 for
- *         any other; l = l + p_k key by key; acc = acc + p_{k+1} v_{k+1}, then
- *         acc = acc + p_k v_k, over the block's key pairs (k even);
+ *         block whose largest valid score top > m scales l and acc by e2(m - top) and
+ *         sets m = top; then p_k = bfloat16(e2(s_k - m)) (nearest even) for a valid key,
+ *         0 for any other; over the block's key pairs (k even) l = l + p_{k+1}, then
+ *         l = l + p_k, and acc = acc + p_{k+1} v_{k+1}, then acc = acc + p_k v_k;
  *   out = bfloat16(acc / l), nearest even.
+ * e2(x) = 2^x for x <= 0 to bfloat16's precision (mb_pf_exp2: the probabilities are
+ * rounded to bfloat16 before they weigh anything, so libm's exp's last bits would buy
+ * nothing): y = max(x, -150) (NaN -> -150), n = y rounded to the nearest integer (ties
+ * even), f = y - n, p = (((c4 f + c3) f + c2) f + c1) f + 1 (relative error under 3e-6),
+ * e2 = p * 2^n, 0 where that is below 2^-126 (a denormal).
  * Blocks or keys a query has no valid key in add exact zeros, so a query's bits depend on
  * its own vector, its keys and its position only (up to the sign of a zero output): not
  * on the tile it lands in, the chunk it was prefilled in or the other rows of the call.
@@ -341,8 +348,9 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
  * accumulators acc [group][head_dim][16]; each key's pair broadcast from the cache, each
  * value pair (two keys' value at one dim) from vp [block / 2][head_dim].
  *
- * Threads: work items (row, query tile, K/V head), the last tiles of a row (most keys)
- * first, handed out one at a time on the caller's OpenMP pool, as the decode kernel's. */
+ * Threads: work items (row, run of query tiles, K/V head), the last runs of a row (most
+ * keys) first, handed out one at a time on the caller's OpenMP pool, as the decode
+ * kernel's. */
 
 #define MB_PF_Q 16          /* queries per tile: one float32 lane each */
 #define MB_PF_BLOCK 64      /* keys per online-softmax block, anchored at key 0 */
@@ -350,6 +358,7 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
 #define MB_PF_MAX_GD 1024   /* group * head_dim */
 #define MB_PF_KB 8          /* keys per score micro-tile */
 #define MB_PF_DB 8          /* dims per value micro-tile */
+#define MB_PF_TILES 4       /* query tiles per work item, walked over the keys together */
 
 struct mb_pf_job {
     const uint16_t *q;
@@ -361,10 +370,17 @@ struct mb_pf_job {
     int32_t capacity;
     uint16_t *out;
     int64_t ldo;
+    int32_t tile_run; /* query tiles per work item (1 for the portable kernel) */
     int64_t items;
     int64_t next; /* the next work item: atomically advanced */
     void (*run)(const struct mb_pf_job *, int32_t r, int32_t tile, int32_t h);
 };
+
+/* Work items of a row of len queries along one K/V head: runs of tile_run tiles. */
+static inline int32_t mb_pf_runs(int64_t len, int32_t tile_run) {
+    int64_t tiles = (len + MB_PF_Q - 1) / MB_PF_Q;
+    return (int32_t)((tiles + tile_run - 1) / tile_run);
+}
 
 static inline int mb_pf_valid(int64_t k, int64_t p, int32_t window) {
     return k <= p && (window <= 0 || k > p - window);
@@ -377,6 +393,25 @@ static inline int64_t mb_pf_klo(int64_t p0, int32_t window) {
 }
 
 static inline float mb_pf_in(uint16_t b) { return mb_flush(mb_bf16_f32(b)); }
+
+/* e2's polynomial: a fit of 2^f on [-1/2, 1/2] with p(0) = 1 */
+#define MB_PF_C1 0.6931241750717163f
+#define MB_PF_C2 0.24024099111557007f
+#define MB_PF_C3 0.05590642988681793f
+#define MB_PF_C4 0.009582851082086563f
+#define MB_PF_LOG2E 1.44269504f
+
+static inline float mb_pf_exp2(float x) { /* e2 of the rule above */
+    float y = x > -150.0f ? x : -150.0f;
+    float n = (y + 12582912.0f) - 12582912.0f; /* nearest integer, ties even (|y| < 2^22) */
+    float f = y - n;
+    float p = MB_PF_C4;
+    p = p * f + MB_PF_C3;
+    p = p * f + MB_PF_C2;
+    p = p * f + MB_PF_C1;
+    p = p * f + 1.0f;
+    return n < -126.0f ? 0.0f : mb_flush(p * mb_bits_f32((uint32_t)((int32_t)n + 127) << 23));
+}
 
 MB_CLONES
 static void mb_pf_item(const struct mb_pf_job *j, int32_t r, int32_t tile, int32_t h) {
@@ -411,16 +446,18 @@ static void mb_pf_item(const struct mb_pf_job *j, int32_t r, int32_t tile, int32
                     top = s[k] > top ? s[k] : top;
                 }
                 if (top > m) {
-                    float c = mb_exp(m - top);
+                    float c = mb_pf_exp2(m - top);
                     l = l * c;
                     for (int32_t d = 0; d < D; d++)
                         acc[d] = acc[d] * c;
                     m = top;
                 }
                 for (int32_t k = 0; k < nk; k++)
-                    p[k] = mb_pf_valid(b + k, pos, j->window) ? mb_bf16_f32(mb_round_bf16(mb_exp(s[k] - m))) : 0.0f;
-                for (int32_t k = 0; k < nk; k++)
+                    p[k] = mb_pf_valid(b + k, pos, j->window) ? mb_bf16_f32(mb_round_bf16(mb_pf_exp2(s[k] - m))) : 0.0f;
+                for (int32_t k = 0; k < nk; k += 2) {
+                    l = l + (k + 1 < nk ? p[k + 1] : 0.0f);
                     l = l + p[k];
+                }
                 for (int32_t k = 0; k < nk; k += 2) {
                     const uint16_t *v0 = vh + (size_t)(b + k) * D, *v1 = v0 + D;
                     float p1 = k + 1 < nk ? p[k + 1] : 0.0f;
@@ -449,6 +486,25 @@ static inline int32_t mb_pf_dim(int32_t d) {
 }
 #undef MB_PF_TARGET
 #define MB_PF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+/* mb_pf_exp2 on 16 lanes, but results below 2^-126 left as scalef makes them (denormals):
+ * the probabilities' conversion to bfloat16 flushes them (vcvtne2ps2bf16 takes denormals
+ * as zeros), and the rescale factor flushes them itself (mb_pf_exp2_flushed16). */
+static inline __attribute__((always_inline)) MB_PF_TARGET __m512 mb_pf_exp2_16(__m512 x) {
+    __m512 y = _mm512_max_ps(x, _mm512_set1_ps(-150.0f)); /* a NaN x gives the second operand */
+    __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(MB_PF_C4), f), _mm512_set1_ps(MB_PF_C3));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(MB_PF_C2));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(MB_PF_C1));
+    p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline MB_PF_TARGET __m512 mb_pf_exp2_flushed16(__m512 x) {
+    __m512 e = mb_pf_exp2_16(x);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(e, _mm512_set1_ps(0x1p-126f), _CMP_GE_OQ), e);
+}
 
 /* Scores of GB query heads (from g0) x MB_PF_KB keys krow[]: s [keys][group][16]. */
 static inline __attribute__((always_inline)) MB_PF_TARGET void
@@ -499,107 +555,150 @@ mb_pf_values(float *acc, const uint32_t *pp, const uint32_t *vp, int32_t G, int3
             _mm512_store_ps(acc + ((size_t)(g0 + gg) * D + d0 + dd) * MB_PF_Q, a[gg][dd]);
 }
 
+/* One tile's state in a work item: its queries' place, their bfloat16 pairs and sums. */
+struct mb_pf_tile {
+    int32_t i0, nq;        /* first query of the row, queries (<= MB_PF_Q) */
+    int64_t p0, klo, khi;  /* first query's position; keys [klo, khi) in blocks */
+    __m512i pos, wlo;      /* lanes' positions (padding lanes the last query's); valid: wlo < k <= pos */
+    uint32_t *qt;          /* [head_dim / 2][group][16] */
+    float *acc;            /* [group][head_dim][16] */
+    __m512 *m, *l;         /* [group] */
+};
+
+/* Block b's scores, softmax and values for one tile; vp holds the block's value pairs
+ * (for the item's last tile, whose keys reach furthest: a shorter tile's odd key past its
+ * khi meets a zero probability). */
+static inline __attribute__((always_inline)) MB_PF_TARGET void
+mb_pf_tile_block(const struct mb_pf_job *j, struct mb_pf_tile *t, const uint16_t *kh, int64_t b, float *s,
+                 uint32_t *pp, const uint32_t *vp) {
+    int32_t G = j->heads / j->kv_heads, D = j->head_dim, P = D / 2;
+    int32_t nk = t->khi - b < MB_PF_BLOCK ? (int32_t)(t->khi - b) : MB_PF_BLOCK;
+    const __m512 scale = _mm512_set1_ps(j->scale), one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* word 2i: i, 2i + 1: 16 + i */
+    const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80); /* bfloat16 1.0 pairs */
+    /* scores; keys past khi (at most MB_PF_KB - 1 of them) read key khi - 1 again */
+    for (int32_t k0 = 0; k0 < nk; k0 += MB_PF_KB) {
+        const uint16_t *krow[MB_PF_KB];
+        for (int kk = 0; kk < MB_PF_KB; kk++)
+            krow[kk] = kh + (size_t)(b + (k0 + kk < nk ? k0 + kk : nk - 1)) * D;
+        int32_t g = 0;
+        for (; g + 3 <= G; g += 3)
+            mb_pf_scores(t->qt, G, g, 3, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+        if (G - g == 2)
+            mb_pf_scores(t->qt, G, g, 2, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+        else if (G - g == 1)
+            mb_pf_scores(t->qt, G, g, 1, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
+    }
+    __mmask16 valid[MB_PF_BLOCK];
+    for (int32_t k = 0; k < nk; k++) {
+        __m512i kv = _mm512_set1_epi32((int32_t)(b + k));
+        __mmask16 v = _mm512_cmp_epi32_mask(kv, t->pos, _MM_CMPINT_LE);
+        if (j->window > 0)
+            v &= _mm512_cmp_epi32_mask(kv, t->wlo, _MM_CMPINT_NLE);
+        valid[k] = v;
+    }
+    int32_t pairs = (nk + 1) / 2;
+    /* every key of the block valid for every query of the tile: no masks to apply */
+    int full = b + nk - 1 <= t->p0 && (j->window <= 0 || b > t->khi - 1 - j->window);
+    for (int32_t g = 0; g < G; g++) {
+        __m512 top = ninf;
+        if (full)
+            for (int32_t k = 0; k < nk; k++)
+                top = _mm512_max_ps(top, _mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q));
+        else
+            for (int32_t k = 0; k < nk; k++) {
+                float *sk = s + ((size_t)k * G + g) * MB_PF_Q;
+                __m512 sv = _mm512_mask_blend_ps(valid[k], ninf, _mm512_load_ps(sk));
+                _mm512_store_ps(sk, sv);
+                top = _mm512_max_ps(top, sv);
+            }
+        __mmask16 up = _mm512_cmp_ps_mask(top, t->m[g], _CMP_GT_OQ);
+        if (up) {
+            __m512 c = _mm512_mask_blend_ps(up, one, mb_pf_exp2_flushed16(_mm512_sub_ps(t->m[g], top)));
+            t->l[g] = _mm512_mul_ps(t->l[g], c);
+            float *ag = t->acc + (size_t)g * D * MB_PF_Q;
+            for (int32_t d = 0; d < D; d++)
+                _mm512_store_ps(ag + (size_t)d * MB_PF_Q, _mm512_mul_ps(_mm512_load_ps(ag + (size_t)d * MB_PF_Q), c));
+            t->m[g] = _mm512_mask_blend_ps(up, t->m[g], top);
+        }
+        __m512 mg = t->m[g], lg = t->l[g];
+        for (int32_t x = 0; x < pairs; x++) {
+            int32_t k = 2 * x;
+            __m512 e0 = mb_pf_exp2_16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q), mg));
+            __m512 e1 = _mm512_setzero_ps();
+            if (k + 1 < nk)
+                e1 = mb_pf_exp2_16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)(k + 1) * G + g) * MB_PF_Q), mg));
+            if (!full) {
+                e0 = _mm512_maskz_mov_ps(valid[k], e0);
+                e1 = k + 1 < nk ? _mm512_maskz_mov_ps(valid[k + 1], e1) : e1;
+            }
+            /* nearest even, as mb_round_bf16 (denormals to zero); key k's in the low half */
+            __m512i pair = _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            _mm512_store_si512(pp + ((size_t)x * G + g) * MB_PF_Q, pair);
+            lg = _mm512_dpbf16_ps(lg, (__m512bh)pair, ones); /* l + p_{k+1}, then + p_k */
+        }
+        t->l[g] = lg;
+    }
+    for (int32_t d0 = 0; d0 < D; d0 += MB_PF_DB) {
+        int32_t g = 0;
+        for (; g + 3 <= G; g += 3)
+            mb_pf_values(t->acc, pp, vp, G, D, g, 3, d0, pairs);
+        if (G - g == 2)
+            mb_pf_values(t->acc, pp, vp, G, D, g, 2, d0, pairs);
+        else if (G - g == 1)
+            mb_pf_values(t->acc, pp, vp, G, D, g, 1, d0, pairs);
+    }
+}
+
+/* Work item: tiles [tile, tile + j->tile_run) of row r (those the row has) and K/V head h,
+ * walked over their keys together, so that each block of K/V comes from memory once for
+ * all of them (a 20k-token prompt's K/V of one head is 5 MB: past L2). */
 static MB_PF_TARGET void mb_pf_item_avx512(const struct mb_pf_job *j, int32_t r, int32_t tile, int32_t h) {
     int32_t G = j->heads / j->kv_heads, D = j->head_dim, P = D / 2;
     int64_t start = j->starts[r], len = j->lens[r];
-    int32_t i0 = tile * MB_PF_Q, nq = len - i0 < MB_PF_Q ? (int32_t)(len - i0) : MB_PF_Q;
+    int32_t tiles = (int32_t)((len + MB_PF_Q - 1) / MB_PF_Q);
+    int32_t nt = tiles - tile < j->tile_run ? tiles - tile : j->tile_run;
     size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
     const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
-    int64_t p0 = start + i0, khi = p0 + nq, klo = mb_pf_klo(p0, j->window);
+    /* tile_run * group * head_dim <= MB_PF_MAX_GD */
     uint32_t qt[MB_PF_MAX_GD / 2 * MB_PF_Q] __attribute__((aligned(64)));
     float acc[MB_PF_MAX_GD * MB_PF_Q] __attribute__((aligned(64)));
     float s[MB_PF_BLOCK * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
     uint32_t pp[MB_PF_BLOCK / 2 * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
     uint32_t vp[MB_PF_BLOCK / 2 * MB_ATT_MAX_DIM] __attribute__((aligned(64)));
-    __m512 m[MB_PF_MAX_GROUP], l[MB_PF_MAX_GROUP];
-    /* padding lanes (i >= nq) take the last query's place and vector; never stored */
-    for (int32_t i = 0; i < MB_PF_Q; i++) {
-        int32_t ii = i < nq ? i : nq - 1;
-        const uint16_t *qr = j->q + (size_t)(j->firsts[r] + i0 + ii) * j->ldq + (size_t)h * G * D;
-        for (int32_t g = 0; g < G; g++)
-            for (int32_t x = 0; x < P; x++) {
-                uint32_t pair;
-                memcpy(&pair, qr + (size_t)g * D + 2 * x, 4);
-                qt[((size_t)x * G + g) * MB_PF_Q + i] = pair;
-            }
-    }
-    for (size_t e = 0; e < (size_t)G * D * MB_PF_Q; e += 16)
-        _mm512_store_ps(acc + e, _mm512_setzero_ps());
-    for (int32_t g = 0; g < G; g++)
-        m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
-    const __m512 scale = _mm512_set1_ps(j->scale), one = _mm512_set1_ps(1.0f), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m[MB_PF_MAX_GROUP * MB_PF_TILES], l[MB_PF_MAX_GROUP * MB_PF_TILES];
+    struct mb_pf_tile tl[MB_PF_TILES] = {{0}};
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0); /* word 2i: i, 2i + 1: 16 + i */
-    const __m512i hi16 = _mm512_set1_epi32((int32_t)0xffff0000u);
-    const __m512i pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)p0), lane),
-                                         _mm512_set1_epi32((int32_t)(khi - 1)));
-    const __m512i wlo = _mm512_sub_epi32(pos, _mm512_set1_epi32(j->window)); /* valid: k > wlo */
+    for (int32_t ti = 0; ti < nt; ti++) {
+        struct mb_pf_tile *t = &tl[ti];
+        t->i0 = (tile + ti) * MB_PF_Q;
+        t->nq = len - t->i0 < MB_PF_Q ? (int32_t)(len - t->i0) : MB_PF_Q;
+        t->p0 = start + t->i0, t->khi = t->p0 + t->nq, t->klo = mb_pf_klo(t->p0, j->window);
+        t->pos = _mm512_min_epi32(_mm512_add_epi32(_mm512_set1_epi32((int32_t)t->p0), lane),
+                                  _mm512_set1_epi32((int32_t)(t->khi - 1)));
+        t->wlo = _mm512_sub_epi32(t->pos, _mm512_set1_epi32(j->window));
+        t->qt = qt + (size_t)ti * P * G * MB_PF_Q, t->acc = acc + (size_t)ti * G * D * MB_PF_Q;
+        t->m = m + ti * G, t->l = l + ti * G;
+        /* padding lanes (i >= nq) take the last query's place and vector; never stored */
+        for (int32_t i = 0; i < MB_PF_Q; i++) {
+            int32_t ii = i < t->nq ? i : t->nq - 1;
+            const uint16_t *qr = j->q + (size_t)(j->firsts[r] + t->i0 + ii) * j->ldq + (size_t)h * G * D;
+            for (int32_t g = 0; g < G; g++)
+                for (int32_t x = 0; x < P; x++) {
+                    uint32_t pair;
+                    memcpy(&pair, qr + (size_t)g * D + 2 * x, 4);
+                    t->qt[((size_t)x * G + g) * MB_PF_Q + i] = pair;
+                }
+        }
+        for (size_t e = 0; e < (size_t)G * D * MB_PF_Q; e += 16)
+            _mm512_store_ps(t->acc + e, _mm512_setzero_ps());
+        for (int32_t g = 0; g < G; g++)
+            t->m[g] = _mm512_set1_ps(-INFINITY), t->l[g] = _mm512_setzero_ps();
+    }
+    int64_t klo = tl[0].klo, khi = tl[nt - 1].khi;
     for (int64_t b = klo; b < khi; b += MB_PF_BLOCK) {
-        int32_t nk = khi - b < MB_PF_BLOCK ? (int32_t)(khi - b) : MB_PF_BLOCK;
-        /* scores; keys past khi (at most MB_PF_KB - 1 of them) read key khi - 1 again */
-        for (int32_t k0 = 0; k0 < nk; k0 += MB_PF_KB) {
-            const uint16_t *krow[MB_PF_KB];
-            for (int kk = 0; kk < MB_PF_KB; kk++)
-                krow[kk] = kh + (size_t)(b + (k0 + kk < nk ? k0 + kk : nk - 1)) * D;
-            int32_t g = 0;
-            for (; g + 3 <= G; g += 3)
-                mb_pf_scores(qt, G, g, 3, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
-            if (G - g == 2)
-                mb_pf_scores(qt, G, g, 2, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
-            else if (G - g == 1)
-                mb_pf_scores(qt, G, g, 1, krow, P, s + (size_t)k0 * G * MB_PF_Q, scale);
-        }
-        __mmask16 valid[MB_PF_BLOCK];
-        for (int32_t k = 0; k < nk; k++) {
-            __m512i kv = _mm512_set1_epi32((int32_t)(b + k));
-            __mmask16 v = _mm512_cmp_epi32_mask(kv, pos, _MM_CMPINT_LE);
-            if (j->window > 0)
-                v &= _mm512_cmp_epi32_mask(kv, wlo, _MM_CMPINT_NLE);
-            valid[k] = v;
-        }
-        int32_t pairs = (nk + 1) / 2;
-        /* every key of the block valid for every query of the tile: no masks to apply */
-        int full = b + nk - 1 <= p0 && (j->window <= 0 || b > khi - 1 - j->window);
-        for (int32_t g = 0; g < G; g++) {
-            __m512 top = ninf;
-            if (full)
-                for (int32_t k = 0; k < nk; k++)
-                    top = _mm512_max_ps(top, _mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q));
-            else
-                for (int32_t k = 0; k < nk; k++) {
-                    float *sk = s + ((size_t)k * G + g) * MB_PF_Q;
-                    __m512 sv = _mm512_mask_blend_ps(valid[k], ninf, _mm512_load_ps(sk));
-                    _mm512_store_ps(sk, sv);
-                    top = _mm512_max_ps(top, sv);
-                }
-            __mmask16 up = _mm512_cmp_ps_mask(top, m[g], _CMP_GT_OQ);
-            if (up) {
-                __m512 c = _mm512_mask_blend_ps(up, one, mb_exp16(_mm512_sub_ps(m[g], top)));
-                l[g] = _mm512_mul_ps(l[g], c);
-                float *ag = acc + (size_t)g * D * MB_PF_Q;
-                for (int32_t d = 0; d < D; d++)
-                    _mm512_store_ps(ag + (size_t)d * MB_PF_Q, _mm512_mul_ps(_mm512_load_ps(ag + (size_t)d * MB_PF_Q), c));
-                m[g] = _mm512_mask_blend_ps(up, m[g], top);
-            }
-            for (int32_t x = 0; x < pairs; x++) {
-                int32_t k = 2 * x;
-                __m512 e0 = mb_exp16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)k * G + g) * MB_PF_Q), m[g]));
-                __m512 e1 = _mm512_setzero_ps();
-                if (k + 1 < nk)
-                    e1 = mb_exp16(_mm512_sub_ps(_mm512_load_ps(s + ((size_t)(k + 1) * G + g) * MB_PF_Q), m[g]));
-                if (!full) {
-                    e0 = _mm512_maskz_mov_ps(valid[k], e0);
-                    e1 = k + 1 < nk ? _mm512_maskz_mov_ps(valid[k + 1], e1) : e1;
-                }
-                /* nearest even, as mb_round_bf16 (e is 0 or normal); key k's in the low half */
-                __m512i pair = _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                _mm512_store_si512(pp + ((size_t)x * G + g) * MB_PF_Q, pair);
-                l[g] = _mm512_add_ps(l[g], _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
-                if (k + 1 < nk)
-                    l[g] = _mm512_add_ps(l[g], _mm512_castsi512_ps(_mm512_and_si512(pair, hi16)));
-            }
-        }
+        int32_t nk = khi - b < MB_PF_BLOCK ? (int32_t)(khi - b) : MB_PF_BLOCK, pairs = (nk + 1) / 2;
         /* value pairs (keys past khi are zeros): with head_dim a multiple of 32, 32 dims
          * at a time in unpack order (mb_pf_dim), else in dim order */
         for (int32_t x = 0; x < pairs; x++) {
@@ -615,23 +714,20 @@ static MB_PF_TARGET void mb_pf_item_avx512(const struct mb_pf_job *j, int32_t r,
                 for (int32_t d = 0; d < D; d++)
                     vp[(size_t)x * D + d] = (uint32_t)v0[d] | (odd ? (uint32_t)v1[d] << 16 : 0u);
         }
-        for (int32_t d0 = 0; d0 < D; d0 += MB_PF_DB) {
-            int32_t g = 0;
-            for (; g + 3 <= G; g += 3)
-                mb_pf_values(acc, pp, vp, G, D, g, 3, d0, pairs);
-            if (G - g == 2)
-                mb_pf_values(acc, pp, vp, G, D, g, 2, d0, pairs);
-            else if (G - g == 1)
-                mb_pf_values(acc, pp, vp, G, D, g, 1, d0, pairs);
-        }
+        for (int32_t ti = 0; ti < nt; ti++)
+            if (b >= tl[ti].klo && b < tl[ti].khi)
+                mb_pf_tile_block(j, &tl[ti], kh, b, s, pp, vp);
     }
-    for (int32_t g = 0; g < G; g++) {
-        float lv[MB_PF_Q];
-        _mm512_storeu_ps(lv, l[g]);
-        for (int32_t i = 0; i < nq; i++) {
-            uint16_t *o = j->out + (size_t)(j->firsts[r] + i0 + i) * j->ldo + (size_t)(h * G + g) * D;
-            for (int32_t d = 0; d < D; d++)
-                o[D % 32 == 0 ? mb_pf_dim(d) : d] = mb_round_bf16(acc[((size_t)g * D + d) * MB_PF_Q + i] / lv[i]);
+    for (int32_t ti = 0; ti < nt; ti++) {
+        struct mb_pf_tile *t = &tl[ti];
+        for (int32_t g = 0; g < G; g++) {
+            float lv[MB_PF_Q];
+            _mm512_storeu_ps(lv, t->l[g]);
+            for (int32_t i = 0; i < t->nq; i++) {
+                uint16_t *o = j->out + (size_t)(j->firsts[r] + t->i0 + i) * j->ldo + (size_t)(h * G + g) * D;
+                for (int32_t d = 0; d < D; d++)
+                    o[D % 32 == 0 ? mb_pf_dim(d) : d] = mb_round_bf16(t->acc[((size_t)g * D + d) * MB_PF_Q + i] / lv[i]);
+            }
         }
     }
 }
@@ -647,15 +743,14 @@ static void mb_pf_worker(void *data) {
 #endif
         if (item >= j->items)
             return;
-        int32_t r = 0;
+        int32_t r = 0, runs;
         for (;; r++) { /* rows in order; within a row its last tiles (most keys) first */
-            int64_t n = (j->lens[r] + MB_PF_Q - 1) / MB_PF_Q * j->kv_heads;
-            if (item < n)
+            runs = mb_pf_runs(j->lens[r], j->tile_run);
+            if (item < (int64_t)runs * j->kv_heads)
                 break;
-            item -= n;
+            item -= (int64_t)runs * j->kv_heads;
         }
-        int32_t tiles = (int32_t)((j->lens[r] + MB_PF_Q - 1) / MB_PF_Q);
-        j->run(j, r, tiles - 1 - (int32_t)(item / j->kv_heads), (int32_t)(item % j->kv_heads));
+        j->run(j, r, (runs - 1 - (int32_t)(item / j->kv_heads)) * j->tile_run, (int32_t)(item % j->kv_heads));
     }
 }
 
@@ -675,22 +770,27 @@ int mb_bf16_prefill_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const
         if (lens[r] < 1 || firsts[r] < 0 || firsts[r] > n_q - lens[r] || slots[r] < 0 || slots[r] >= n_slots ||
             starts[r] < 0 || starts[r] > capacity - lens[r])
             return MB_EINVAL;
-        items += (lens[r] + MB_PF_Q - 1) / MB_PF_Q * kv_heads;
     }
     struct mb_pf_job j;
     memset(&j, 0, sizeof j);
+    j.tile_run = 1;
     j.q = q, j.ldq = ldq, j.firsts = firsts, j.slots = slots, j.starts = starts, j.lens = lens, j.t = t;
-    j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window, j.scale = scale;
+    j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window;
+    j.scale = scale * MB_PF_LOG2E; /* scale2: the scores in base 2 */
     j.k_cache = k_cache, j.v_cache = v_cache, j.capacity = capacity, j.out = out, j.ldo = ldo;
-    j.items = items;
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_pf_item;
 #if MB_ATT_HAVE_AVX512
-    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
-        j.run = mb_pf_item_avx512;
+    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16) {
+        int32_t fit = MB_PF_MAX_GD / ((heads / kv_heads) * head_dim);
+        j.run = mb_pf_item_avx512, j.tile_run = fit < MB_PF_TILES ? fit : MB_PF_TILES;
+    }
 #endif
     else
         return MB_EINVAL;
+    for (int32_t r = 0; r < t; r++)
+        items += (int64_t)mb_pf_runs(lens[r], j.tile_run) * kv_heads;
+    j.items = items;
 #ifdef MB_ATOMICS
     if (parallel != NULL && threads > 1 && items > 1) {
         ((mb_parallel_fn)parallel)(mb_pf_worker, &j, (unsigned)threads, 0);

@@ -64,9 +64,10 @@ The MLP's activation (`bf16_silu_mul`) takes the same exp.
 
 Prefill attention (`bf16_prefill_attention`; csrc/attention.c states the rule): causal,
 per query head, dot products of bfloat16 pairs summed as vdpbf16ps does (as the
-linears'), an online softmax over blocks of 64 keys from key 0 with att_exp, each
-probability rounded to bfloat16 before it weighs its value (vdpbf16ps again). A query
-depends on its own vector, keys and position only.
+linears'), scores in base 2 (scale * log2 e), an online softmax over blocks of 64 keys
+from key 0 with a 2^x accurate to bfloat16 (`pf_exp2`, its own: cheaper than att_exp),
+each probability rounded to bfloat16 before it weighs its value and joins the sum
+(vdpbf16ps again). A query depends on its own vector, keys and position only.
 """
 from __future__ import annotations
 
@@ -493,6 +494,25 @@ def bf16_attention(q: np.ndarray, rows: np.ndarray, slots: np.ndarray, ends: np.
 
 
 PF_BLOCK = 64  # keys per online-softmax block of the prefill kernel, anchored at key 0
+PF_EXP2 = (0.6931241750717163, 0.24024099111557007, 0.05590642988681793, 0.009582851082086563)  # c1 .. c4
+PF_LOG2E = 1.44269504
+
+
+def pf_exp2(x: np.ndarray) -> np.ndarray:
+    """As mb_pf_exp2: 2^x for float32 x <= 0 (NaN as -150), 0 below 2^-126, by the
+    same float32 operations."""
+    f = np.float32
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        y = np.where(x > f(-150.0), x, f(-150.0))
+        n = np.rint(y)
+        r = y - n
+        p = np.full_like(r, f(PF_EXP2[3]))
+        for c in PF_EXP2[2::-1]:
+            p = p * r + f(c)
+        p = p * r + f(1.0)
+        two_n = ((np.maximum(n, f(-126.0)).astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(np.float32)
+        return np.where(n < f(-126.0), f(0.0), _flush((p * two_n).astype(np.float32)))
 
 
 def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray, starts: np.ndarray,
@@ -506,6 +526,7 @@ def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray,
     D = k_cache.shape[3]
     G = heads // kv_heads
     f = np.float32
+    scale2 = f(scale) * f(PF_LOG2E)  # the scores in base 2
     for r in range(len(firsts)):
         n, start, first = int(lens[r]), int(starts[r]), int(firsts[r])
         end = start + n
@@ -525,7 +546,7 @@ def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray,
                     for x in range(0, D, 2):
                         s = _flush(s + np.multiply.outer(qf[:, x + 1], kf[:, x + 1]))
                         s = _flush(s + np.multiply.outer(qf[:, x], kf[:, x]))
-                    s = np.where(valid, s * f(scale), f(-np.inf))
+                    s = np.where(valid, s * scale2, f(-np.inf))
                     m = np.full(n, -np.inf, dtype=np.float32)
                     l = np.zeros(n, dtype=np.float32)
                     acc = np.zeros((n, D), dtype=np.float32)
@@ -533,16 +554,16 @@ def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray,
                         block, ok = s[:, b:b + PF_BLOCK], valid[:, b:b + PF_BLOCK]
                         top = block.max(axis=1)
                         up = top > m
-                        c = att_exp(np.where(up, m - top, f(0.0)))
+                        c = pf_exp2(np.where(up, m - top, f(0.0)))
                         l = np.where(up, l * c, l)
                         acc = np.where(up[:, None], acc * c[:, None], acc)
                         m = np.where(up, top, m)
-                        p = np.where(ok, bf16_to_f32(f32_to_bf16(att_exp(block - m[:, None]))), f(0.0))
-                        for k in range(p.shape[1]):
-                            l = (l + p[:, k]).astype(np.float32)
+                        p = np.where(ok, bf16_to_f32(f32_to_bf16(pf_exp2(block - m[:, None]))), f(0.0))
                         for k in range(0, p.shape[1], 2):
                             if k + 1 < p.shape[1]:
+                                l = (l + p[:, k + 1]).astype(np.float32)
                                 acc = _flush(acc + p[:, k + 1, None] * vf[b + k + 1][None, :])
+                            l = (l + p[:, k]).astype(np.float32)
                             acc = _flush(acc + p[:, k, None] * vf[b + k][None, :])
                     out[first:first + n, head * D:(head + 1) * D] = f32_to_bf16(acc / l[:, None])
 

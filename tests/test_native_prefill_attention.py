@@ -53,6 +53,37 @@ def test_kernels_match_the_reference(kernel, problem):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_runs_of_tiles_match_the_reference(window):
+    """150 queries (10 tiles: runs of 4, 4 and 2 walk the keys together on the AVX-512
+    kernel) at positions 1030.. with a window under which the tiles of one run start in
+    different key blocks, beside a 3-token row of another slot: the reference's bits, on
+    every kernel."""
+    rng = np.random.default_rng(7)
+    H, KV, D, cap = 9, 3, 64, 1200
+    q = _bf16(rng.normal(size=(153, H * D)))
+    k = _bf16(rng.normal(size=(2, KV, cap, D)) * 0.5)
+    v = _bf16(rng.normal(size=(2, KV, cap, D)))
+    rows = [np.array(x, dtype=np.int64) for x in ([0, 150], [1, 0], [1030, 5], [150, 3])]
+    want = np.zeros_like(q)
+    native_ref.bf16_prefill_attention(q, *rows, H, KV, window, 0.125, k, v, want)
+    for kernel in KERNELS:
+        got = np.zeros_like(q)
+        native.bf16_prefill_attention(q, *rows, H, KV, window, 0.125, k, v, got, kernel=kernel)
+        assert np.array_equal(got, want), kernel
+
+
+def test_exp2_is_accurate_to_bfloat16():
+    """pf_exp2 (the kernels' 2^x): within 3e-6 of 2^x where the result is normal, 0 below
+    2^-126 and for -inf or NaN, 1 at 0."""
+    x = np.concatenate([-np.linspace(0, 126, 400001), [-126.5, -149.9, -200, -np.inf, np.nan]]).astype(np.float32)
+    got = native_ref.pf_exp2(x)
+    want = 2.0 ** x[:400001].astype(np.float64)
+    normal = want >= 2.0 ** -126
+    assert np.abs(got[:400001][normal] / want[normal] - 1).max() < 3e-6
+    assert np.all(got[:400001][~normal] == 0) and np.all(got[400001:] == 0) and got[0] == 1
+
+
 @settings(max_examples=25, deadline=None)
 @given(_problem())
 def test_it_is_causal_softmax_attention(problem):

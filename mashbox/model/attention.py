@@ -5,9 +5,11 @@
   query alone over its own keys in float32; for short rows several times faster than SDPA
   (README, speed).
 - Prompt rows (prefill chunks, a prompt's last token recomputed alone):
-  mb_bf16_prefill_attention, causal, tiled over 16 queries and blocks of 64 keys, the dot
-  products in bfloat16 pairs (vdpbf16ps); over a 20k-token prompt about twice SDPA's speed
-  (benchmarks/prefill.py). Models it cannot take (prefill_supported) keep SDPA for them.
+  mb_bf16_prefill_attention, causal, tiled over 16 queries and blocks of 64 keys (up to 4
+  neighbouring tiles walk the keys together, so each K/V block is read once for them), the
+  dot products in bfloat16 pairs (vdpbf16ps), the softmax in base 2 with an exp accurate
+  to the bfloat16 its probabilities are rounded to (benchmarks/prefill.py measures it).
+  Models it cannot take (prefill_supported) keep SDPA for them.
 Both have a fixed arithmetic (csrc/attention.c), so a query's bits depend on its own
 vector, keys and position only: never on the rows beside it or how its prompt was
 chunked. The two rules differ: a generated token's K/V can differ in its last bits from
