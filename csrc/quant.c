@@ -246,11 +246,19 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     const uint8_t *w0 = j->w + (size_t)c0 * j->row_bytes;
     const uint16_t *x = j->x + (size_t)r0 * j->ldx;
+    /* The next tile's rows (NO rows on) are fetched while this one computes: the hardware
+     * prefetcher alone leaves the widening and the misses one after the other (one
+     * thread, out of cache: Q4_0 7 -> 10-11 GB/s). One prefetch per 64 bytes or less. */
+    const int32_t ahead = c0 + 2 * NO <= j->n;
+    const int64_t pf = (int64_t)NO * j->row_bytes;
+    const int every = 64 / bytes;
     for (int32_t b = 0; b < blocks; b++) {
         __m512bh wv[8];
         __m512 dv[8], mv[8];
         for (int o = 0; o < NO; o++) {
             const uint8_t *blk = w0 + (size_t)o * j->row_bytes + (size_t)b * bytes;
+            if (ahead && b % every == 0)
+                _mm_prefetch((const char *)(blk + pf), _MM_HINT_T0);
             wv[o] = mb_q_widen(type, blk, tb);
             if (has_m) { /* d and m side by side: one conversion */
                 int32_t dm;
