@@ -118,7 +118,7 @@ class Runner:
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
         self.device, self.dtype = decoder_mod.device_and_dtype(cfg.device, dtype, hidden)
-        # weights "auto": dense unless a GGUF's dense weights would not fit comfortably
+        # weights "auto": a big GGUF's own blocks, dense for a small one (auto_weights)
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device, blocks=self.weight_format == "gguf")
