@@ -31,10 +31,10 @@
  * (guided runs). Inside an item, two outputs at a time pass over all its rows in groups
  * of 8 (eight outputs for one row, four for two: they share each x load and pair sum), so the
  * weights come from memory once per item and the next row group finds them in L1: a
- * decode step of up to MB_Q_ROWS rows streams the weights once. Measured (one thread,
- * a busy machine, [8192, 2048]): batch 1 Q4_0 1.0 ms, Q8_0 1.7-2.1, Q4_1 2.0-2.3, the
- * bfloat16 kernel 1.3-1.8: the widening and scaling of each block, not its bytes, are
- * the cost (benchmarks/quant.py measures whole steps).
+ * decode step of up to MB_Q_ROWS rows streams the weights once. Each tile prefetches the
+ * next tile's rows (NO rows on) as it goes, so the misses overlap the widening; for one
+ * row the widening, not the bytes, is still the larger cost (README, Quantized weights:
+ * benchmarks/quant.py --kernels).
  */
 #include "mashbox.h"
 #include "bf16.h"
