@@ -96,6 +96,14 @@ def test_weights_auto_keeps_blocks_for_a_big_model_or_one_that_would_not_fit_den
     assert auto_weights(True, 512 * mib, int(512 * mib / AUTO_GGUF_MEMORY_SHARE)) == "dense"
 
 
+def test_weights_auto_keeps_the_default_model_dense(default_model_path):
+    """The default model (135M, 270 MB dense) stays dense under auto: dense is faster there."""
+    from mashbox.engine.runner import _weight_format
+
+    assert _weight_format("auto", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
+    assert _weight_format("dense", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
+
+
 def test_the_files_blocks_take_the_files_memory(default_model_path):
     from mashbox.config import EngineConfig
     from mashbox.engine.runner import Runner
