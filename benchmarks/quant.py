@@ -26,8 +26,19 @@ The `quant:` line per file is the result:
 The load average is printed beside every figure: on a shared machine only the ratios
 measured in one quiet run mean anything.
 
+--kernels: the legacy block kernels alone (csrc/quant.c), no model, no engine. For each
+format one decode step's linears of SmolLM2-1.7B's shape (--layers of them: q|k|v, o,
+gate|up, down; random blocks) from memory, out of cache, on ONE thread, timed in process
+CPU time (best of 5), against the dense bfloat16 kernel on the same shapes: a busy
+machine's other processes then cost little, while two threads lose a scheduler slice at
+every fork/join whose worker is descheduled (seen at load 3-5: 8-12 ms a call for a
+0.2 ms kernel, which is what made whole steps look 5-10x slow). One line per format:
+
+    kernel Q8_0 m=1: 4 layers 20.6 ms, 285 MB, 13.9 GB/s (1.00x dense's GB/s, 1.78x its speed)
+
 Usage: python benchmarks/quant.py [FILE.gguf ...] [--big /work/big] [--tokens 32]
        [--prefill 512] [--threads 2] [--repeat 2]
+       python benchmarks/quant.py --kernels [--layers 4] [--rows 1]
 """
 from __future__ import annotations
 
@@ -73,7 +84,10 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
     """Prompt tokens/s of one request of `tokens` tokens (one step at prefill_chunk >= tokens)."""
     from mashbox.config import GenerationRequest, SamplingParams
 
-    ids = (list(range(1000, 1000 + tokens)))  # any ids: speed does not depend on them
+    # any ids (speed does not depend on them), but another prompt per call: a repeated
+    # one would be served from the prefix cache and time almost nothing
+    first = 1000 + (sum(map(ord, tag)) * 7919) % 20000
+    ids = list(range(first, first + tokens))
     engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=tuple(ids),
                                     sampling=SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
@@ -113,6 +127,60 @@ def measure(path: str, weights: str, tokens: int, prefill: int, threads: int, re
                 tensor_bytes=tensor_bytes, load=max(loads))
 
 
+def kernels(layers: int, rows: int) -> None:
+    """--kernels: see the module's docstring."""
+    import numpy as np
+    import torch
+
+    from mashbox import native, native_ref
+    from mashbox.model import csrc, linear
+
+    torch.set_num_threads(1)
+    shapes = [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * layers
+    rng = np.random.default_rng(0)
+    xs = {k: torch.randn(rows, k).bfloat16() for k in (2048, 8192)}
+    ys = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes}
+    half = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+
+    def best(step) -> float:
+        step()
+        t = float("inf")
+        for _ in range(5):
+            t0 = time.process_time()
+            step()
+            t = min(t, time.process_time() - t0)
+        return t
+
+    dense = [linear.BF16Linear(torch.randn(n, k).bfloat16() * 0.02) for n, k in shapes]
+    t_dense = best(lambda: [w(xs[w.k]) for w in dense])
+    dense_bytes = sum(2 * n * k for n, k in shapes)
+    dense.clear()
+    print(f"kernel bf16 m={rows}: {layers} layers {t_dense * 1e3:.1f} ms, {dense_bytes / 1e6:.0f} MB, "
+          f"{dense_bytes / t_dense / 1e9:.1f} GB/s | load {os.getloadavg()[0]:.1f}", flush=True)
+    for qtype in native.Q_LEGACY:
+        nbytes, m_at = native_ref.Q_FORMATS[qtype]
+        ws = []
+        for n, k in shapes:
+            w = rng.integers(0, 256, (n, k // 32, nbytes), dtype=np.uint8)
+            w[:, :, 0:2] = half
+            if m_at is not None:
+                w[:, :, m_at:m_at + 2] = half
+            ws.append(w.reshape(n, -1))
+
+        def step() -> None:
+            for (n, k), w in zip(shapes, ws):
+                native.q_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, xs[k].data_ptr(), k, rows, 0,
+                                    ys[n].data_ptr(), native.Y_BF16, n, native.bf16_kernel(), csrc.parallel(), 1)
+
+        t = best(step)
+        total = sum(w.nbytes for w in ws)
+        name = next(nm for nm, v in vars(native).items() if v == qtype and nm.startswith("Q") and "_" in nm)
+        print(f"kernel {name} m={rows}: {layers} layers {t * 1e3:.1f} ms, {total / 1e6:.0f} MB, "
+              f"{total / t / 1e9:.1f} GB/s ({total / t / (dense_bytes / t_dense):.2f}x dense's GB/s, "
+              f"{t_dense / t:.2f}x its speed) | load {os.getloadavg()[0]:.1f}", flush=True)
+        ws.clear()
+
+
 def llama_bench(binary: str, path: str, tokens: int, prefill: int, threads: int) -> tuple[float, float]:
     """(tg tokens/s, pp tokens/s) of llama-bench on the file."""
     out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(tokens),
@@ -136,8 +204,14 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="rounds; the best of each figure counts")
     ap.add_argument("--weights", default="gguf,dense",
                     help="the --weights forms to measure, comma-separated, each in its own child process")
+    ap.add_argument("--kernels", action="store_true", help="the legacy block kernels alone, one thread, out of cache")
+    ap.add_argument("--layers", type=int, default=4, help="--kernels: layers of the 1.7B shape per step")
+    ap.add_argument("--rows", type=int, default=1, help="--kernels: rows (batch) per call")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one file, a JSON line out
     args = ap.parse_args()
+    if args.kernels:
+        kernels(args.layers, args.rows)
+        return 0
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.threads,
                                              args.repeat)))

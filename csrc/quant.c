@@ -29,12 +29,12 @@
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
  * (guided runs). Inside an item, two outputs at a time pass over all its rows in groups
- * of 8 (four outputs for one or two rows: they share each x load and pair sum), so the
+ * of 8 (eight outputs for one row, four for two: they share each x load and pair sum), so the
  * weights come from memory once per item and the next row group finds them in L1: a
- * decode step of up to MB_Q_ROWS rows streams the weights once. Measured (one thread,
- * a busy machine, [8192, 2048]): batch 1 Q4_0 1.0 ms, Q8_0 1.7-2.1, Q4_1 2.0-2.3, the
- * bfloat16 kernel 1.3-1.8: the widening and scaling of each block, not its bytes, are
- * the cost (benchmarks/quant.py measures whole steps).
+ * decode step of up to MB_Q_ROWS rows streams the weights once. Each tile prefetches the
+ * next tile's rows (NO rows on) as it goes, so the misses overlap the widening; for one
+ * row the widening, not the bytes, is still the larger cost (README, Quantized weights:
+ * benchmarks/quant.py --kernels).
  */
 #include "mashbox.h"
 #include "bf16.h"
@@ -231,7 +231,7 @@ static inline __attribute__((always_inline)) MB_Q_TARGET float mb_q_tree_avx(__m
     return _mm_cvtss_f32(s1);
 }
 
-/* NO outputs (1, 2, or 4 for MR <= 2) x MR rows (1..8); type, NO, MR constants in each instantiation. */
+/* NO outputs (1, 2, 4 for MR <= 2, 8 for MR 1) x MR rows (1..8); type, NO, MR constants in each instantiation. */
 static inline __attribute__((always_inline)) MB_Q_TARGET void
 mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0, const int32_t type,
           const int NO, const int MR) {
@@ -239,18 +239,26 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
     int32_t blocks = j->k / MB_Q_BLOCK;
-    __m512 acc[4][MB_Q_MR];
+    __m512 acc[8][MB_Q_MR];
     for (int o = 0; o < NO; o++)
         for (int r = 0; r < MR; r++)
             acc[o][r] = _mm512_setzero_ps();
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     const uint8_t *w0 = j->w + (size_t)c0 * j->row_bytes;
     const uint16_t *x = j->x + (size_t)r0 * j->ldx;
+    /* The next tile's rows (NO rows on) are fetched while this one computes: the hardware
+     * prefetcher alone leaves the widening and the misses one after the other (one
+     * thread, out of cache: Q4_0 7 -> 10-11 GB/s). One prefetch per 64 bytes or less. */
+    const int32_t ahead = c0 + 2 * NO <= j->n;
+    const int64_t pf = (int64_t)NO * j->row_bytes;
+    const int every = 64 / bytes;
     for (int32_t b = 0; b < blocks; b++) {
-        __m512bh wv[4];
-        __m512 dv[4], mv[4];
+        __m512bh wv[8];
+        __m512 dv[8], mv[8];
         for (int o = 0; o < NO; o++) {
             const uint8_t *blk = w0 + (size_t)o * j->row_bytes + (size_t)b * bytes;
+            if (ahead && b % every == 0)
+                _mm_prefetch((const char *)(blk + pf), _MM_HINT_T0);
             wv[o] = mb_q_widen(type, blk, tb);
             if (has_m) { /* d and m side by side: one conversion */
                 int32_t dm;
@@ -300,6 +308,9 @@ mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, in
         struct mb_q_tables tb;                                                                   \
         mb_q_make_tables(T, &tb);                                                                \
         int32_t c = c0;                                                                          \
+        if (rows == 1) /* one row: eight outputs share each x load and keep 8 streams going */  \
+            for (; c + 8 <= c0 + outs; c += 8)                                                   \
+                mb_q_tile(j, &tb, r0, c, T, 8, 1);                                               \
         if (rows <= 2) /* decode of one or two rows: four outputs share each x load */          \
             for (; c + 4 <= c0 + outs; c += 4) {                                                 \
                 if (rows == 2)                                                                   \

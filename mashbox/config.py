@@ -200,7 +200,7 @@ class EngineConfig:
     prefix_block: int = 16  # tokens per prefix-hash block
     threads: Optional[int] = None  # torch intra-op threads; None = torch's default
     # "auto": "dense" (weights in `dtype`) unless a .gguf file's dense weights would take
-    # over half the available memory, then its own quantized blocks ("gguf", bfloat16 on a
+    # over 1 GiB or over half the available memory, then its own quantized blocks ("gguf", bfloat16 on a
     # CPU with AVX512-BF16: csrc/quant.c, kquant.c; engine/runner.auto_weights); or opt-in weight-only
     # "int8" / "int4" linears (bfloat16 on a CPU only, logits within ~1% of dense)
     weights: str = "auto"

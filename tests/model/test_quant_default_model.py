@@ -79,14 +79,29 @@ def test_blocks_follow_the_dequantized_greedy_text(default_model_path):
     assert blocks_err <= 1.25 * dense_err, (blocks_err, dense_err)
 
 
-def test_weights_auto_keeps_blocks_only_for_a_model_that_would_not_fit_dense():
-    from mashbox.engine.runner import AUTO_GGUF_MEMORY_SHARE, auto_weights
+def test_weights_auto_keeps_blocks_for_a_big_model_or_one_that_would_not_fit_dense():
+    from mashbox.engine.runner import AUTO_GGUF_DENSE_BYTES, AUTO_GGUF_MEMORY_SHARE, auto_weights
 
-    gib = 1 << 30
-    assert auto_weights(True, 4 * gib, 24 * gib) == "dense"  # a 2B model on this machine
+    gib, mib = 1 << 30, 1 << 20
+    assert auto_weights(True, 270 * mib, 24 * gib) == "dense"  # the default model (135M)
+    assert auto_weights(True, 720 * mib, 24 * gib) == "dense"  # a 360M one
+    assert auto_weights(True, AUTO_GGUF_DENSE_BYTES, 24 * gib) == "dense"  # at the size: still dense
+    assert auto_weights(True, AUTO_GGUF_DENSE_BYTES + 1, 24 * gib) == "gguf"
+    assert auto_weights(True, int(3.4 * gib), 24 * gib) == "gguf"  # a 1.7B: fewer bytes a step
     assert auto_weights(True, 16 * gib, 24 * gib) == "gguf"  # an 8B one
     assert auto_weights(False, 16 * gib, 24 * gib) == "dense"  # blocks cannot run here
-    assert auto_weights(True, int(AUTO_GGUF_MEMORY_SHARE * 8 * gib) + 1, 8 * gib) == "gguf"
+    assert auto_weights(False, int(3.4 * gib), 24 * gib) == "dense"
+    # a small model on a machine with little memory free: blocks
+    assert auto_weights(True, 512 * mib, int(512 * mib / AUTO_GGUF_MEMORY_SHARE) - 1) == "gguf"
+    assert auto_weights(True, 512 * mib, int(512 * mib / AUTO_GGUF_MEMORY_SHARE)) == "dense"
+
+
+def test_weights_auto_keeps_the_default_model_dense(default_model_path):
+    """The default model (135M, 270 MB dense) stays dense under auto: dense is faster there."""
+    from mashbox.engine.runner import _weight_format
+
+    assert _weight_format("auto", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
+    assert _weight_format("dense", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
 
 
 def test_the_files_blocks_take_the_files_memory(default_model_path):
