@@ -112,15 +112,18 @@ def test_a_bigger_case_and_the_dense_product(qtype):
     assert np.all(np.abs(want - exact) <= 1e-5 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=TYPE_IDS[:2])
-def test_long_rows_make_their_sums_per_output(qtype):
-    """Past 64 blocks (k > 16384) the AVX-512 path makes each sub-block's x sum per
-    output instead of once per work item: the same bits."""
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_long_rows_go_in_k_tiles(qtype):
+    """Where a row group's x is over 32 KB the AVX-512 path runs the blocks in k-tiles,
+    keeping the sums between them (8 rows of 12 blocks: three tiles of 4; 2 rows of 65
+    blocks: tiles of 16 and a last of 1; 1 row: none), and 37 outputs (a full tile of 32,
+    then 5): the same bits as the reference."""
     rng = np.random.default_rng(5)
-    w, x = _rows(rng, qtype, 3, 65), _x(rng, 2, 65 * BLOCK)
-    want = native_ref.kq_linear(qtype, w, x, y_f32=True)
-    for kernel in KERNELS:
-        assert _same(native.kq_linear(qtype, w, x, y_f32=True, kernel=kernel), want), kernel
+    for m, blocks in ((9, 12), (2, 65), (1, 65)):
+        w, x = _rows(rng, qtype, 37, blocks), _x(rng, m, blocks * BLOCK)
+        want = native_ref.kq_linear(qtype, w, x, y_f32=True)
+        for kernel in KERNELS:
+            assert _same(native.kq_linear(qtype, w, x, y_f32=True, kernel=kernel), want), (kernel, m)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
