@@ -503,6 +503,22 @@ static MB_KQ_TARGET void mb_kq_run_q6k(const struct mb_kq_job *j, int32_t r0, in
     mb_kq_run_avx512(j, r0, rows, c0, c1, MB_GGML_Q6_K);
 }
 
+/* mb_kq_xsums, 16 x at a time: the same tree (mb_sum16's adds), so the same bits */
+static MB_KQ_TARGET void mb_kq_xsums_avx512(const uint16_t *x, int32_t k, int q6, float *xs) {
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int32_t g = 0; g < k / 16; g++) {
+        __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * g))), 16);
+        v = _mm512_mask_and_epi32(v, _mm512_testn_epi32_mask(v, expo), v, sign); /* denormal -> zero */
+        float sum = mb_sum16_avx512(_mm512_castsi512_ps(v));
+        if (q6)
+            xs[g] = sum;
+        else if (g % 2)
+            xs[g / 2] = xs[g / 2] + sum; /* X16[2t] + X16[2t+1] */
+        else
+            xs[g / 2] = sum;
+    }
+}
+
 /* x row in the words' order: per block, group g's E then O vectors, each the even (odd)
  * words of two chunks (Q4_K, Q5_K: 4 (g / 2) + g % 2 and that + 2; Q6_K: 2g and 2g + 1) */
 static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int q6, uint16_t *xp) {
@@ -571,11 +587,14 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
     float *xs = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint16_t *xp = (uint16_t *)(xs + (size_t)m * j.ldxs);
     for (int32_t r = 0; r < m; r++) {
-        mb_kq_xsums(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
 #if MB_KQ_HAVE_AVX512
-        if (avx)
+        if (avx) {
+            mb_kq_xsums_avx512(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
             mb_kq_permute_avx512(x + (size_t)r * ldx, k, q6, xp + (size_t)r * k);
+            continue;
+        }
 #endif
+        mb_kq_xsums(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
     }
     j.xs = xs, j.xp = avx ? xp : NULL;
     j.tiles = (n + MB_KQ_TILE - 1) / MB_KQ_TILE;
