@@ -290,14 +290,6 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum8_avx512(_
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                  /* + l+1 */
 }
 
-/* p * *s, s broadcast from memory: a load, where _mm512_set1_ps of a value the compiler
- * holds in a register costs a shuffle. */
-static inline __attribute__((always_inline)) MB_KQ_TARGET __m512 mb_kq_mul_bcast(__m512 p, const float *s) {
-    __m512 out;
-    __asm__("vmulps %2%{1to16%}, %1, %0" : "=v"(out) : "v"(p), "m"(*s));
-    return out;
-}
-
 /* 32 bytes in both halves of a register: a load (vbroadcasti64x4), no shuffle */
 static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_bcast32(const uint8_t *p) {
     return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
