@@ -296,8 +296,13 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_bcast32(
 }
 
 /* words shifted left by a (right by -a where a < 0) in the low half, by b in the high half
- * (two AVX512BW variable shifts, one of them by 0 per half: no VBMI2 needed) */
+ * (AVX512BW variable shifts, no VBMI2 needed; a and b are constants where it is inlined, so
+ * one shift does where both go the same way) */
 static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_move(__m512i v, int a, int b) {
+    if (a >= 0 && b >= 0)
+        return _mm512_sllv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1));
+    if (a <= 0 && b <= 0)
+        return _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)-a), _mm256_set1_epi16((short)-b), 1));
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16((short)(a > 0 ? a : 0)),
                                             _mm256_set1_epi16((short)(b > 0 ? b : 0)), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_set1_epi16((short)(a < 0 ? -a : 0)),
