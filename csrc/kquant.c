@@ -53,7 +53,8 @@
  * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
  * and y, never on m, its neighbours or the threads. Rows go in groups of up to
  * MB_KQ_ROWS: the AVX-512 path decodes each block once per group and applies it to all
- * the group's rows; groups of 1 or 2 rows take 4 or 2 outputs at once. Work items (a row group x
+ * the group's rows, one output (weight row, read front to back, 2 KB prefetched ahead)
+ * at a time. Work items (a row group x
  * MB_KQ_TILE outputs, the row groups of a tile next to each other so that its weights
  * are read from memory once) are handed out to the caller's OpenMP pool as csrc/linear.c
  * does.
@@ -67,6 +68,8 @@
 #define MB_QK 256       /* weights per block */
 #define MB_KQ_ROWS 8    /* rows per group: each block is decoded once for all of them */
 #define MB_KQ_TILE 32   /* outputs per work item */
+#define MB_KQ_PREFETCH 2048 /* bytes ahead in the weight rows: 1-2 KB read fastest past the
+                             * caches (one core of a Zen 4; 0 and 4 KB were slower) */
 
 struct mb_kq_job {
     int32_t type;
@@ -350,28 +353,25 @@ mb_kq_words(const uint8_t *blk, int g, const int type, __m512bh *E, __m512bh *O)
  * products ahead of their adds (it spilled them all to the stack) */
 #define MB_KQ_PIN(v) __asm__ volatile("" : "+v"(v))
 
-/* NC outputs from c0 for MR rows from r0 (NC, MR and the type constant in each
- * instantiation), blocks b0 .. b1: the sums start from zero when b0 is 0, else from st
- * (A, then N, per output and row); they go back to st, or to y when b1 ends the row. */
+/* Output c for MR rows from r0 (MR and the type constant in each instantiation). */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
-mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c0, int32_t b0, int32_t b1,
-                 __m512 *st, const int NC, const int MR, const int type) {
+mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR, const int type) {
     const int q6 = type == MB_GGML_Q6_K;
     const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
     const float unshift = type == MB_GGML_Q4_K ? 0.125f : type == MB_GGML_Q5_K ? 0.25f : 0.5f;
-    __m512 A[4 * MB_KQ_ROWS], N[4 * MB_KQ_ROWS];
+    __m512 A[MB_KQ_ROWS], N[MB_KQ_ROWS];
     _Pragma("GCC unroll 32")
-    for (int i = 0; i < NC * MR; i++) {
-        A[i] = b0 ? st[2 * i] : _mm512_setzero_ps();
-        N[i] = b0 ? st[2 * i + 1] : _mm512_setzero_ps();
-    }
+    for (int i = 0; i < MR; i++)
+        A[i] = _mm512_setzero_ps(), N[i] = _mm512_setzero_ps();
     const uint16_t *xp = j->xp + (size_t)r0 * j->k;
     const float *xs = j->xs + (size_t)r0 * j->ldxs;
-    for (int32_t b = b0; b < b1; b++) {
-        _Pragma("GCC unroll 32")
-        for (int col = 0; col < NC; col++) {
-            const uint8_t *blk = j->w + (size_t)(c0 + col) * j->row_bytes + (size_t)b * bb;
-            __m512 *Ac = A + col * MR, s[4], cv;
+    for (int32_t b = 0; b < j->blocks; b++) {
+        {
+            const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
+            _Pragma("GCC unroll 4")
+            for (int o = 0; o < bb; o += 64) /* 2 KB ahead (into the next row near the end) */
+                _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T0);
+            __m512 *Ac = A, s[4], cv;
             if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
                 __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
                                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
@@ -425,63 +425,35 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c0, int32_t b0, 
             for (int r = 0; r < MR; r++) {
                 const float *xr = xs + (size_t)r * j->ldxs;
                 if (q6)
-                    N[col * MR + r] = _mm512_add_ps(N[col * MR + r], _mm512_mul_ps(cv, _mm512_loadu_ps(xr + (size_t)b * 16)));
+                    N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(cv, _mm512_loadu_ps(xr + (size_t)b * 16)));
                 else
-                    N[col * MR + r] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(N[col * MR + r]),
+                    N[r] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(N[r]),
                         _mm256_mul_ps(_mm512_castps512_ps256(cv), _mm256_loadu_ps(xr + (size_t)b * 8))));
             }
         }
     }
-    if (b1 < j->blocks) {
-        _Pragma("GCC unroll 32")
-        for (int i = 0; i < NC * MR; i++)
-            st[2 * i] = A[i], st[2 * i + 1] = N[i];
-        return;
-    }
     _Pragma("GCC unroll 32")
-    for (int col = 0; col < NC; col++)
-        _Pragma("GCC unroll 32")
-        for (int r = 0; r < MR; r++) {
-            int i = col * MR + r;
-            float out = mb_sum16_avx512(A[i]) - (q6 ? mb_sum16_avx512(N[i]) : mb_sum8_avx512(_mm512_castps512_ps256(N[i])));
-            mb_kq_store(j, r0 + r, c0 + col, out);
-        }
+    for (int r = 0; r < MR; r++) {
+        float out = mb_sum16_avx512(A[r]) - (q6 ? mb_sum16_avx512(N[r]) : mb_sum8_avx512(_mm512_castps512_ps256(N[r])));
+        mb_kq_store(j, r0 + r, c, out);
+    }
 }
 
-/* Outputs c0 .. c1 (at most MB_KQ_TILE) for `rows` rows from r0, 1 row 4 outputs at a
- * time, 2 rows 2. Where the rows' x is over 32 KB the blocks go in runs of 32 / rows
- * (k-tiles: the x of a run, 16 KB, stays in L1 while all the outputs use it), the sums
- * kept between runs. */
+/* Outputs c0 .. c1 for `rows` rows from r0, one output at a time: its weight row is read
+ * once, front to back (two or four rows streamed side by side ran at half the speed on
+ * matrices past the caches, as did k-tiles that jump between rows). */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
 mb_kq_run_avx512(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t c1, const int type) {
-    __m512 st[2 * MB_KQ_TILE * MB_KQ_ROWS];
-    int32_t run = (int64_t)rows * j->k * 2 <= 32768 ? j->blocks : 32 / rows;
-    for (int32_t b0 = 0; b0 < j->blocks; b0 += run) {
-        int32_t b1 = j->blocks - b0 < run ? j->blocks : b0 + run;
-        int32_t c = c0;
-        __m512 *sc = st;
-        switch (rows) {
-        case 1:
-            for (; c + 4 <= c1; c += 4, sc += 8)
-                mb_kq_out_avx512(j, r0, c, b0, b1, sc, 4, 1, type);
-            for (; c < c1; c++, sc += 2)
-                mb_kq_out_avx512(j, r0, c, b0, b1, sc, 1, 1, type);
-            break;
-        case 2:
-            for (; c + 2 <= c1; c += 2, sc += 8)
-                mb_kq_out_avx512(j, r0, c, b0, b1, sc, 2, 2, type);
-            for (; c < c1; c++, sc += 4)
-                mb_kq_out_avx512(j, r0, c, b0, b1, sc, 1, 2, type);
-            break;
+    switch (rows) {
 #define MB_KQ_ROWS_CASE(R) \
-        case R: for (; c < c1; c++, sc += 2 * R) mb_kq_out_avx512(j, r0, c, b0, b1, sc, 1, R, type); break;
-        MB_KQ_ROWS_CASE(3) MB_KQ_ROWS_CASE(4) MB_KQ_ROWS_CASE(5) MB_KQ_ROWS_CASE(6) MB_KQ_ROWS_CASE(7)
+    case R: for (int32_t c = c0; c < c1; c++) mb_kq_out_avx512(j, r0, c, R, type); break;
+    MB_KQ_ROWS_CASE(1) MB_KQ_ROWS_CASE(2) MB_KQ_ROWS_CASE(3) MB_KQ_ROWS_CASE(4)
+    MB_KQ_ROWS_CASE(5) MB_KQ_ROWS_CASE(6) MB_KQ_ROWS_CASE(7)
 #undef MB_KQ_ROWS_CASE
-        default:
-            for (; c < c1; c++, sc += 16)
-                mb_kq_out_avx512(j, r0, c, b0, b1, sc, 1, 8, type);
-            break;
-        }
+    default:
+        for (int32_t c = c0; c < c1; c++)
+            mb_kq_out_avx512(j, r0, c, 8, type);
+        break;
     }
 }
 

@@ -113,11 +113,9 @@ def test_a_bigger_case_and_the_dense_product(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
-def test_long_rows_go_in_k_tiles(qtype):
-    """Where a row group's x is over 32 KB the AVX-512 path runs the blocks in k-tiles,
-    keeping the sums between them (8 rows of 12 blocks: three tiles of 4; 2 rows of 65
-    blocks: tiles of 16 and a last of 1; 1 row: none), and 37 outputs (a full tile of 32,
-    then 5): the same bits as the reference."""
+def test_long_rows_and_a_second_tile(qtype):
+    """Long rows (65 blocks; 12 blocks for a full row group and one more row) and 37
+    outputs (a work item of 32, then 5): the same bits as the reference."""
     rng = np.random.default_rng(5)
     for m, blocks in ((9, 12), (2, 65), (1, 65)):
         w, x = _rows(rng, qtype, 37, blocks), _x(rng, m, blocks * BLOCK)
