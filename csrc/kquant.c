@@ -366,70 +366,68 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
     const uint16_t *xp = j->xp + (size_t)r0 * j->k;
     const float *xs = j->xs + (size_t)r0 * j->ldxs;
     for (int32_t b = 0; b < j->blocks; b++) {
-        {
-            const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
+        const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
+        _Pragma("GCC unroll 4")
+        for (int o = 0; o < bb; o += 64) /* 2 KB ahead (into the next row near the end) */
+            _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T0);
+        __m512 s[4], cv;
+        if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
+            __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+            __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
+            const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
             _Pragma("GCC unroll 4")
-            for (int o = 0; o < bb; o += 64) /* 2 KB ahead (into the next row near the end) */
-                _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T0);
-            __m512 *Ac = A, s[4], cv;
-            if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
-                __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-                __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
-                const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-                _Pragma("GCC unroll 4")
-                for (int g = 0; g < 4; g++)
-                    s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
-                cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
-            } else {
-                /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
-                uint32_t u0, u1, u2;
-                memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
-                uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
-                               (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
-                uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
-                               (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-                __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-                __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-                cv = _mm512_castps256_ps512(
-                    _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
-                /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
-                __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
-                const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-                _Pragma("GCC unroll 4")
-                for (int g = 0; g < 4; g++)
-                    s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * (g / 2) + g % 2)), sh);
-            }
+            for (int g = 0; g < 4; g++)
+                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
+            cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
+        } else {
+            /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
+            uint32_t u0, u1, u2;
+            memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
+            uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                           (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+            uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                           (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+            __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+            __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
+            cv = _mm512_castps256_ps512(
+                _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
+            /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
+            __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
+            const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
             _Pragma("GCC unroll 4")
-            for (int g = 0; g < 4; g++) {
-                __m512bh E, O;
-                mb_kq_words(blk, g, type, &E, &O);
-                if (MR > 2)
-                    { MB_KQ_PIN(E); MB_KQ_PIN(O); }
-                _Pragma("GCC unroll 32")
-                for (int r = 0; r < MR; r++) {
-                    const uint16_t *x = xp + (size_t)r * j->k + (size_t)b * MB_QK + 64 * g;
-                    __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), E);
-                    p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_loadu_si512(x + 32), O);
-                    Ac[r] = _mm512_add_ps(Ac[r], _mm512_mul_ps(s[g], p));
-                }
-                if (MR > 2) {
-                    _Pragma("GCC unroll 32")
-                    for (int r = 0; r < MR; r++)
-                        MB_KQ_PIN(Ac[r]);
-                }
-            }
+            for (int g = 0; g < 4; g++)
+                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * (g / 2) + g % 2)), sh);
+        }
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++) {
+            __m512bh E, O;
+            mb_kq_words(blk, g, type, &E, &O);
+            if (MR > 2)
+                { MB_KQ_PIN(E); MB_KQ_PIN(O); }
             _Pragma("GCC unroll 32")
             for (int r = 0; r < MR; r++) {
-                const float *xr = xs + (size_t)r * j->ldxs;
-                if (q6)
-                    N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(cv, _mm512_loadu_ps(xr + (size_t)b * 16)));
-                else
-                    N[r] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(N[r]),
-                        _mm256_mul_ps(_mm512_castps512_ps256(cv), _mm256_loadu_ps(xr + (size_t)b * 8))));
+                const uint16_t *x = xp + (size_t)r * j->k + (size_t)b * MB_QK + 64 * g;
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), E);
+                p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_loadu_si512(x + 32), O);
+                A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[g], p));
             }
+            if (MR > 2) {
+                _Pragma("GCC unroll 32")
+                for (int r = 0; r < MR; r++)
+                    MB_KQ_PIN(A[r]);
+            }
+        }
+        _Pragma("GCC unroll 32")
+        for (int r = 0; r < MR; r++) {
+            const float *xr = xs + (size_t)r * j->ldxs;
+            if (q6)
+                N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(cv, _mm512_loadu_ps(xr + (size_t)b * 16)));
+            else
+                N[r] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(N[r]),
+                    _mm256_mul_ps(_mm512_castps512_ps256(cv), _mm256_loadu_ps(xr + (size_t)b * 8))));
         }
     }
     _Pragma("GCC unroll 32")
