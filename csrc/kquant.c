@@ -177,7 +177,7 @@ static void mb_kq_xsums(const uint16_t *x, int32_t k, int q6, float *xs) {
     }
 }
 
-static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
+static inline __attribute__((always_inline)) void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
     if (j->bias)
         acc = acc + j->bias[c];
     size_t at = (size_t)r * j->ldy + c;
