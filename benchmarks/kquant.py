@@ -9,10 +9,13 @@ tok/s-equivalent (rows per second), the weight bytes read per second, and that r
 a share of the machine's read bandwidth measured in the same run (a sum over a large
 bfloat16 tensor, as benchmarks/decode.py measures it):
 
-    q4_k 2048x8192 m=1: kq 0.31 ms 3200 tok/s 30.1 GB/s (48% of read) | bf16 0.55 ms ... | kq/bf16 1.8x
+    q4_k 2048x8192 m=1: kq 0.31 ms 3200 tok/s 0.59 ns/32 weights a row 30.1 GB/s (48% of read) |
+        bf16 0.55 ms ... | kq/bf16 1.8x
 
 Usage: python benchmarks/kquant.py [--shapes 2048x8192,8192x2048] [--types q4_k,q6_k,q5_k]
-       [--rows 1,8] [--calls 50] [--repeat 5] [--threads N] [--quick]   (--quick: a smoke run)
+       [--rows 1,8] [--calls 50] [--repeat 5] [--threads N] [--single] [--quick]
+       (--quick: a smoke run; --single: the fastest single call, steadier on a busy machine;
+       run it in two trees in the same minute to compare kernels)
 Timings on a busy machine mean little: the load average is printed beside them.
 """
 from __future__ import annotations
@@ -63,10 +66,19 @@ def random_rows(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
     return w.reshape(n, blocks * size)
 
 
-def best_seconds(fn, calls: int, repeat: int) -> float:
+def best_seconds(fn, calls: int, repeat: int, single: bool = False) -> float:
+    """The best mean over `repeat` runs of `calls` calls; with single, the fastest one call
+    of calls * repeat (a call a neighbour's process interrupted drops out: on a shared
+    machine it is the figure that moves least)."""
     fn()  # warm: pages touched, caches of code
     best = float("inf")
     for _ in range(repeat):
+        if single:
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            continue
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -83,6 +95,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0: as torch has it")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one small shape, few calls")
+    ap.add_argument("--single", action="store_true",
+                    help="time calls one by one and keep the fastest (steadier on a busy machine; with "
+                         "--threads 1 and a shape that fits L3, e.g. 256x8192, it measures the kernel's arithmetic)")
     args = ap.parse_args()
     if args.quick:
         args.shapes, args.calls, args.repeat = "512x2048", 3, 1
@@ -111,10 +126,11 @@ def main() -> None:
                     native.kq_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, xa, k, m, 0, ya,
                                          native.Y_BF16, n, kernel, pool, threads)
 
-                t_kq = best_seconds(kq, args.calls, args.repeat)
-                t_bf = best_seconds(lambda: bf16(x), args.calls, args.repeat)
+                t_kq = best_seconds(kq, args.calls, args.repeat, args.single)
+                t_bf = best_seconds(lambda: bf16(x), args.calls, args.repeat, args.single)
                 kq_rate, bf_rate = w.nbytes / t_kq, n * k * 2 / t_bf
                 print(f"{name} {n}x{k} m={m}: kq {t_kq * 1e3:.3f} ms {m / t_kq:.0f} tok/s "
+                      f"{t_kq * 1e9 * 32 / (n * k * m):.2f} ns/32 weights a row "
                       f"{kq_rate / 1e9:.1f} GB/s ({100 * kq_rate / read:.0f}% of read) | bf16 "
                       f"{t_bf * 1e3:.3f} ms {m / t_bf:.0f} tok/s {bf_rate / 1e9:.1f} GB/s "
                       f"({100 * bf_rate / read:.0f}% of read) | kq/bf16 {t_bf / t_kq:.2f}x", flush=True)

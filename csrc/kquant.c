@@ -9,45 +9,67 @@
  *                 w = d*sc[j] * q - dmin*mn[j] for the 32 weights of sub-block j.
  *   Q5_K (176 B): as Q4_K plus 32 B holding each q's fifth bit (q in 0..31).
  *   Q6_K (210 B): 128 B low 4 bits, 64 B high 2 bits, sixteen int8 scales, d;
- *                 w = d*sc[j] * (q - 32) for the 16 weights of sub-block j.
+ *                 w = d*sc[g] * (u - 32) for the 16 weights of sub-block g (u in 0..63).
  *
  * The arithmetic (mashbox/native_ref.py's kq_linear states it in numpy; the tests compare
- * bits). Each output is 16 float32 lanes; lane l of chunk t (weights 32t .. 32t+31 of a
- * block) takes the pair (2l, 2l+1):
- *     P = (+0 + x[2l+1] * q[2l+1]) + x[2l] * q[2l]           (vdpbf16ps from zero)
- *     A[l] = A[l] + s * P                                   (s = d*sc of the lane's sub-block)
- * q are the block's small integers (q - 32 for Q6_K), exact in bfloat16, so each product
- * is exact; s = float(d) * sc is exact in float32. The mins (Q4_K, Q5_K) take the sum of
- * each sub-block's x, which depends on x alone (made once per work item, not per output):
- *     X[t] = sum16 over lanes of (+0 + x[2l+1]) + x[2l]     (vdpbf16ps against ones)
- *     N[t] = N[t] + (float(dmin) * mn[t]) * X[t]            (8 lanes, one per sub-block)
- * Blocks in order. Then out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding lane l
- * and l+8, then l and l+4, l and l+2, l and l+1 (sum8: l and l+4, ...); then + bias; then
- * y as mb_bf16_linear writes it. Denormal inputs and dpbf16 sums are zero, as in
- * csrc/linear.c; the rule's limits are linear.c's (products that leave float32's normal
- * range, a zero's sign). Activations are used exactly, never quantized: only the sums'
- * float32 roundings differ from the exact product of x and gguf's dequantized weights.
+ * bits). Each weight goes in as the bfloat16 word W = 128 + u * 2^e, u the stored integer
+ * (Q4_K: q, e = 3; Q5_K: q, e = 2; Q6_K: u, e = 1): the bits 0x4300 | u << e, made with a
+ * shift and a bit select (vpternlogd), no table and no byte shuffle; exact since
+ * u << e < 128. A block's 256 words go in four groups g of two 32-word vectors E and O:
+ * a 64-byte load of the packed low bits holds 128 weights, E takes each 16-bit word's
+ * low byte, O its high byte (mb_kq_slot says which weight each word is: for Q4_K and
+ * Q5_K, E's words 0-15 are the even weights of chunk 4(g/2) + g%2, words 16-31 those of
+ * the chunk 2 further; O the odd ones). Lane l of group g sums E's words 2l, 2l+1, then
+ * O's, all of one sub-block:
+ *     P = (+0 + x W at E[2l+1]) + x W at E[2l];  P = (P + x W at O[2l+1]) + x W at O[2l]
+ *                                              (two vdpbf16ps, the first from zero)
+ *     A[l] = A[l] + s * P                      (s = float(d) * sc * 2^-e of the lane's
+ *                                              sub-block; exact)
+ * so a multiply and an add serve 64 weights. x goes in once per call permuted to the
+ * words' order. The products are exact (8-bit by 8-bit significands). The 128 and, for
+ * Q6_K, the -32 come back through sums of x that depend on x alone, made once per call
+ * (in the caller's thread, before the work is handed out): X16[j] = sum16 of
+ * x[16j .. 16j+15] (natural order, denormals zero), X32[t] = X16[2t] + X16[2t+1]. Per
+ * block:
+ *     Q4_K, Q5_K: N[t] = N[t] + ((float(d) * sc[t]) * 2^(7-e) + float(dmin) * mn[t]) * X32[t]
+ *     Q6_K:       N[j] = N[j] + ((float(d) * sc[j]) * 96) * X16[j]
+ * (the first product exact, one rounding for the add; 96 d*sc exact). Blocks in order,
+ * groups in order. Then out = sum16(A) - sum8(N) (Q6_K: sum16(A) - sum16(N)), sum16
+ * adding lane l and l+8, then l and l+4, l and l+2, l and l+1 (sum8: l and l+4, ...);
+ * then + bias; then y as mb_bf16_linear writes it. Denormal x and dpbf16 sums are zero,
+ * as in csrc/linear.c; the rule's limits are linear.c's (products that leave float32's
+ * normal range, a zero's sign). Activations are used exactly, never quantized: only the
+ * sums' float32 roundings differ from the exact product of x and gguf's dequantized
+ * weights, and the 128 offset makes the A and N sums larger than the result (Q4_K's
+ * 128 + 8q against 8q: about 3x on random q), so the cancellation costs a bit or two of
+ * float32's 24 (tests/test_native_kquant.py checks the result against float64).
  *
- * Speed (AVX-512): a single row is bound by the shuffles that unpack the integers
- * (vpmovzxbw, vpermw) rather than by the bytes read, so the scales go in as memory
- * broadcasts (vmulps {1to16}) that take no shuffle.
+ * Speed (AVX-512): the previous rule (q as a word table lookup, one multiply and add per
+ * 32 weights) spent its time on vpmovzxbw / vpermw and on the multiplies; this one has no
+ * shuffle in the weight decode (Q6_K's and Q5_K's high bits take a broadcast load and two
+ * variable shifts) and half the multiplies and adds. The scales go in as one vpermps per
+ * group, shared by the group of rows.
  *
  * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
  * and y, never on m, its neighbours or the threads. Rows go in groups of up to
  * MB_KQ_ROWS: the AVX-512 path decodes each block once per group and applies it to all
- * the group's rows. Work items (a row group x MB_KQ_TILE outputs) are handed out to the
- * caller's OpenMP pool as csrc/linear.c does.
+ * the group's rows, one output (weight row, read front to back, 2 KB prefetched ahead)
+ * at a time. Work items (a row group x
+ * MB_KQ_TILE outputs, the row groups of a tile next to each other so that its weights
+ * are read from memory once) are handed out to the caller's OpenMP pool as csrc/linear.c
+ * does.
  */
 #include "mashbox.h"
 #include "bf16.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #define MB_QK 256       /* weights per block */
-#define MB_KQ_ROWS 16   /* rows per group: each block is decoded once for all of them */
-#define MB_KQ_TILE 32   /* outputs per work item: they share its rows' sub-block sums */
-#define MB_KQ_SUM_BLOCKS 64 /* blocks of sub-block sums kept per row (k <= 16384); past
-                             * that each output makes its own (the same bits, slower) */
+#define MB_KQ_ROWS 8    /* rows per group: each block is decoded once for all of them */
+#define MB_KQ_TILE 32   /* outputs per work item */
+#define MB_KQ_PREFETCH 2048 /* bytes ahead in the weight rows: 1-2 KB read fastest past the
+                             * caches (one core of a Zen 4; 0 and 4 KB were slower) */
 
 struct mb_kq_job {
     int32_t type;
@@ -61,6 +83,9 @@ struct mb_kq_job {
     void *y;
     int32_t y_mode;
     int64_t ldy;
+    const uint16_t *xp; /* [m, k] x in the words' order (AVX-512 path), or NULL */
+    const float *xs;    /* [m, ldxs] X32 (Q4_K, Q5_K) or X16 (Q6_K) */
+    int64_t ldxs;
     int32_t tiles, groups;
     int64_t items;
     int64_t next; /* the next work item: atomically advanced */
@@ -75,6 +100,11 @@ static int64_t mb_kq_block_bytes(int32_t type) {
     case MB_GGML_Q6_K: return 210;
     default: return 0;
     }
+}
+
+/* e of W = 128 + u * 2^e: the integer's shift into the word's 7 mantissa bits */
+static int mb_kq_shift(int32_t type) {
+    return type == MB_GGML_Q4_K ? 3 : type == MB_GGML_Q5_K ? 2 : 1;
 }
 
 static float mb_f16_f32(const uint8_t *p) { /* IEEE half (little-endian) -> float, exact */
@@ -122,19 +152,32 @@ static float mb_sum8(const float *v) {
     return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-/* X[t] of one block's 256 x (see the top of the file) */
-static void mb_kq_xsums(const uint16_t *x, float X[8]) {
-    for (int t = 0; t < 8; t++) {
-        float S[16];
-        for (int l = 0; l < 16; l++) {
-            float xo = mb_flush(mb_bf16_f32(x[32 * t + 2 * l + 1])), xe = mb_flush(mb_bf16_f32(x[32 * t + 2 * l]));
-            S[l] = mb_flush(mb_flush(0.0f + xo) + xe);
-        }
-        X[t] = mb_sum16(S);
+/* The block weight (0 .. 255) that word w (0 .. 31) of group g's E (o = 0) or O (o = 1)
+ * vector holds (see the top of the file). */
+static int mb_kq_slot(int32_t type, int g, int o, int w) {
+    int hi = w >= 16, i = 2 * (w % 16) + o;
+    if (type == MB_GGML_Q6_K) /* half g / 2, parts 2 (g % 2) + hi */
+        return 128 * (g / 2) + 32 * (2 * (g % 2) + hi) + i;
+    return 32 * (4 * (g / 2) + 2 * hi + g % 2) + i; /* chunk 4 (g / 2) + 2 hi + g % 2 */
+}
+
+/* Row r's sums of x: X32 (Q4_K, Q5_K) or X16 (Q6_K) into xs[0 .. k/32 or k/16) */
+static void mb_kq_xsums(const uint16_t *x, int32_t k, int q6, float *xs) {
+    for (int32_t g = 0; g < k / 16; g++) {
+        float v[16];
+        for (int l = 0; l < 16; l++)
+            v[l] = mb_flush(mb_bf16_f32(x[16 * g + l]));
+        float s = mb_sum16(v);
+        if (q6)
+            xs[g] = s;
+        else if (g % 2)
+            xs[g / 2] = xs[g / 2] + s; /* X16[2t] + X16[2t+1] */
+        else
+            xs[g / 2] = s;
     }
 }
 
-static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
+static inline __attribute__((always_inline)) void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
     if (j->bias)
         acc = acc + j->bias[c];
     size_t at = (size_t)r * j->ldy + c;
@@ -148,10 +191,9 @@ static void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float a
 
 /* ---- portable path: the rule, one output at a time ---- */
 
-/* One block's integers q[256] in weight order, the lane scales s[chunk][lane], and for
- * Q4_K / Q5_K dmin * mn per sub-block; returns whether mins apply. */
-static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float s[8][16],
-                        float dmn[8]) {
+/* One block's stored integers u[256] in weight order, d*sc per weight dsc[256], and the N
+ * coefficients c (8 per sub-block of 32, or Q6_K's 16 per 16). */
+static void mb_kq_decode(int32_t type, const uint8_t *blk, int u[MB_QK], float dsc[MB_QK], float c[16]) {
     if (type == MB_GGML_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -161,55 +203,62 @@ static int mb_kq_decode(int32_t type, const uint8_t *blk, float q[MB_QK], float 
                 int part = v / 32, i = v % 32;
                 int lo = (ql[64 * h + 32 * (part & 1) + i] >> (4 * (part >> 1))) & 0xf;
                 int hi = (qh[32 * h + i] >> (2 * part)) & 3;
-                q[128 * h + v] = (float)((lo | (hi << 4)) - 32);
+                u[128 * h + v] = lo | (hi << 4);
             }
-        for (int t = 0; t < 8; t++)
-            for (int l = 0; l < 16; l++)
-                s[t][l] = d * (float)sc[2 * t + l / 8];
-        return 0;
+        for (int g = 0; g < 16; g++) {
+            float s = d * (float)sc[g];
+            c[g] = s * 96.0f;
+            for (int i = 0; i < 16; i++)
+                dsc[16 * g + i] = s;
+        }
+        return;
     }
-    float dsc[8];
-    mb_kq_scales(blk, dsc, dmn);
+    float sc[8], dmn[8];
+    mb_kq_scales(blk, sc, dmn);
+    const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
     const uint8_t *qh = blk + 16, *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
     for (int t = 0; t < 8; t++) {
         for (int i = 0; i < 32; i++) {
             int v = (qs[32 * (t / 2) + i] >> (4 * (t % 2))) & 0xf;
             if (type == MB_GGML_Q5_K)
                 v |= ((qh[i] >> t) & 1) << 4;
-            q[32 * t + i] = (float)v;
+            u[32 * t + i] = v;
+            dsc[32 * t + i] = sc[t];
         }
-        for (int l = 0; l < 16; l++)
-            s[t][l] = dsc[t];
+        c[t] = sc[t] * offset + dmn[t];
     }
-    return 1;
 }
 
 static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
                                int32_t c1) {
-    float q[MB_QK], s[8][16], dmn[8], X[8];
+    int u[MB_QK];
+    float dsc[MB_QK], cf[16];
+    const int e = mb_kq_shift(j->type), q6 = j->type == MB_GGML_Q6_K;
+    const float unshift = 1.0f / (float)(1 << e);
     for (int32_t c = c0; c < c1; c++)
         for (int32_t r = r0; r < r0 + rows; r++) {
             const uint16_t *xr = j->x + (size_t)r * j->ldx;
-            float A[16] = {0}, N[8] = {0};
-            int mins = 0;
+            const float *xs = j->xs + (size_t)r * j->ldxs;
+            float A[16] = {0}, N[16] = {0};
             for (int32_t b = 0; b < j->blocks; b++) {
                 const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * mb_kq_block_bytes(j->type);
                 const uint16_t *xb = xr + (size_t)b * MB_QK;
-                mins = mb_kq_decode(j->type, blk, q, s, dmn);
-                for (int t = 0; t < 8; t++)
+                mb_kq_decode(j->type, blk, u, dsc, cf);
+                for (int g = 0; g < 4; g++)
                     for (int l = 0; l < 16; l++) {
-                        int i = 32 * t + 2 * l;
-                        float xo = mb_flush(mb_bf16_f32(xb[i + 1])), xe = mb_flush(mb_bf16_f32(xb[i]));
-                        float p = mb_flush(mb_flush(0.0f + xo * q[i + 1]) + xe * q[i]);
-                        A[l] = A[l] + s[t][l] * p;
+                        float p = 0.0f;
+                        for (int o = 0; o < 2; o++) { /* the E word pair, then the O pair */
+                            int j1 = mb_kq_slot(j->type, g, o, 2 * l + 1), j0 = mb_kq_slot(j->type, g, o, 2 * l);
+                            float x1 = mb_flush(mb_bf16_f32(xb[j1])), x0 = mb_flush(mb_bf16_f32(xb[j0]));
+                            float w1 = (float)(128 + (u[j1] << e)), w0 = (float)(128 + (u[j0] << e));
+                            p = mb_flush(mb_flush(p + x1 * w1) + x0 * w0);
+                        }
+                        A[l] = A[l] + (dsc[mb_kq_slot(j->type, g, 0, 2 * l)] * unshift) * p;
                     }
-                if (mins) {
-                    mb_kq_xsums(xb, X);
-                    for (int t = 0; t < 8; t++)
-                        N[t] = N[t] + dmn[t] * X[t];
-                }
+                for (int g = 0; g < (q6 ? 16 : 8); g++)
+                    N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
             }
-            float out = mins ? mb_sum16(A) - mb_sum8(N) : mb_sum16(A);
+            float out = mb_sum16(A) - (q6 ? mb_sum16(N) : mb_sum8(N));
             mb_kq_store(j, r, c, out);
         }
 }
@@ -220,22 +269,14 @@ static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t ro
 #define MB_KQ_HAVE_AVX512 1
 #include <immintrin.h>
 
-#define MB_KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define MB_KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 
-/* bfloat16 bits of 0 .. 31 (Q4_K, Q5_K) and of -32 .. 31 (Q6_K), indexed by q */
-static const uint16_t mb_kq_small[32] = {
-    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
-    0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8,
-    0x41b0, 0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8
-};
-static const uint16_t mb_kq_q6[64] = {
-    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0,
-    0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130,
-    0xc120, 0xc110, 0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0x0000,
-    0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130,
-    0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0,
-    0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8
-};
+/* the float16 at p, as a float (vcvtph2ps: exact, subnormals included, no branch) */
+static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_kq_half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
 
 static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(__m512 v) {
     __m256 lo = _mm512_castps512_ps256(v);
@@ -246,93 +287,99 @@ static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));              /* + l+1 */
 }
 
-/* p * *s, s broadcast from memory: a load, where _mm512_set1_ps of a value the compiler
- * holds in a register costs shuffles (the port the weights' unpacking needs). */
-static inline __attribute__((always_inline)) MB_KQ_TARGET __m512 mb_kq_mul_bcast(__m512 p, const float *s) {
-    __m512 out;
-    __asm__("vmulps %2%{1to16%}, %1, %0" : "=v"(out) : "v"(p), "m"(*s));
-    return out;
-}
-
-/* X[0 .. 8) of one block's 256 x: sum16 of each chunk's pair sums, the eight trees run
- * side by side (each add is the one mb_sum16 makes, in lanes of their own). */
-static inline __attribute__((always_inline)) MB_KQ_TARGET __m256 mb_kq_xsums_avx512(const uint16_t *x) {
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-    __m512 S[8], V[4];
-    for (int t = 0; t < 8; t++)
-        S[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32 * t), ones);
-    for (int i = 0; i < 4; i++) /* [S(2i) lanes 0-7 | S(2i+1) lanes 0-7] + the lanes 8-15 */
-        V[i] = _mm512_add_ps(_mm512_shuffle_f32x4(S[2 * i], S[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(S[2 * i], S[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* quarter g: sub-block g (then 4 + g) lanes l + l+4 */
-    __m512 W0 = _mm512_add_ps(_mm512_shuffle_f32x4(V[0], V[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(V[0], V[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 W1 = _mm512_add_ps(_mm512_shuffle_f32x4(V[2], V[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(V[2], V[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* quarter g: [g: l + l+2 for l = 0, 1 | 4 + g: the same] */
-    __m512 X = _mm512_add_ps(_mm512_shuffle_ps(W0, W1, _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(W0, W1, _MM_SHUFFLE(3, 2, 3, 2)));
-    /* quarter g: [X(g), X(4 + g), ...] */
-    __m512 Y = _mm512_add_ps(_mm512_shuffle_ps(X, X, _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(X, X, _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, Y));
-}
-
 static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum8_avx512(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l + l+4 */
     __m128 c = _mm_add_ps(a, _mm_movehl_ps(a, a));                                  /* + l+2 */
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));                  /* + l+1 */
 }
 
-/* One output c for MR rows from r0 (MR and the type constant in each instantiation);
- * xs: the rows' X (j->blocks * 8 floats a row), or NULL to make them here. */
+/* 32 bytes in both halves of a register: a load (vbroadcasti64x4), no shuffle */
+static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_bcast32(const uint8_t *p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* words shifted left by a (right by -a where a < 0) in the low half, by b in the high half
+ * (AVX512BW variable shifts, no VBMI2 needed; a and b are constants where it is inlined, so
+ * one shift does where both go the same way) */
+static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_move(__m512i v, int a, int b) {
+    if (a >= 0 && b >= 0)
+        return _mm512_sllv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1));
+    if (a <= 0 && b <= 0)
+        return _mm512_srlv_epi16(v, _mm512_inserti64x4(_mm512_set1_epi16((short)-a), _mm256_set1_epi16((short)-b), 1));
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16((short)(a > 0 ? a : 0)),
+                                            _mm256_set1_epi16((short)(b > 0 ? b : 0)), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_set1_epi16((short)(a < 0 ? -a : 0)),
+                                             _mm256_set1_epi16((short)(b < 0 ? -b : 0)), 1);
+    return _mm512_srlv_epi16(_mm512_sllv_epi16(v, left), right);
+}
+
+/* (v & mask) | bits */
+static inline __attribute__((always_inline)) MB_KQ_TARGET __m512i mb_kq_sel(__m512i v, int mask, __m512i bits) {
+    return _mm512_ternarylogic_epi32(v, _mm512_set1_epi16((short)mask), bits, 0xea);
+}
+
+/* Group g's E and O word vectors of a block (see the top of the file): the stored
+ * integers moved to the word's mantissa bits by a shift, the rest masked, 0x4300 set. */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
-mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *xs, const int MR,
-                 const int type) {
-    const int mins = type != MB_GGML_Q6_K;
+mb_kq_words(const uint8_t *blk, int g, const int type, __m512bh *E, __m512bh *O) {
+    const __m512i b43 = _mm512_set1_epi16(0x4300);
+    const int nib = g % 2;
+    if (type == MB_GGML_Q4_K) { /* nibbles to bits 3-6 */
+        __m512i v = _mm512_loadu_si512(blk + 16 + 64 * (g / 2));
+        *E = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 1) : _mm512_slli_epi16(v, 3), 0x78, b43);
+        *O = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 9) : _mm512_srli_epi16(v, 5), 0x78, b43);
+        return;
+    }
+    if (type == MB_GGML_Q5_K) { /* nibbles to bits 2-5; the fifth bit (bit c of qh[i]) to 6 */
+        __m512i v = _mm512_loadu_si512(blk + 48 + 64 * (g / 2)), h = mb_kq_bcast32(blk + 16);
+        int clo = 4 * (g / 2) + nib, chi = clo + 2; /* the halves' chunks */
+        __m512i he = mb_kq_sel(mb_kq_move(h, 6 - clo, 6 - chi), 0x40, b43);
+        __m512i ho = mb_kq_sel(mb_kq_move(h, -2 - clo, -2 - chi), 0x40, b43);
+        *E = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 2) : _mm512_slli_epi16(v, 2), 0x3c, he);
+        *O = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 10) : _mm512_srli_epi16(v, 6), 0x3c, ho);
+        return;
+    }
+    /* Q6_K, half g / 2, parts plo = 2 nib, phi = plo + 1: low 4 bits to bits 1-4, the high 2
+     * (bits 2p of qh[i]) to 5-6 */
+    __m512i v = _mm512_loadu_si512(blk + 64 * (g / 2)), h = mb_kq_bcast32(blk + 128 + 32 * (g / 2));
+    int plo = 2 * nib, phi = plo + 1;
+    __m512i he = mb_kq_sel(mb_kq_move(h, 5 - 2 * plo, 5 - 2 * phi), 0x60, b43);
+    __m512i ho = mb_kq_sel(mb_kq_move(h, -3 - 2 * plo, -3 - 2 * phi), 0x60, b43);
+    *E = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 3) : _mm512_slli_epi16(v, 1), 0x1e, he);
+    *O = (__m512bh)mb_kq_sel(nib ? _mm512_srli_epi16(v, 11) : _mm512_srli_epi16(v, 7), 0x1e, ho);
+}
+
+/* v is made here, in a register, in program order: keeps GCC from computing a block's
+ * products ahead of their adds (it spilled them all to the stack) */
+#define MB_KQ_PIN(v) __asm__ volatile("" : "+v"(v))
+
+/* Output c for MR rows from r0 (MR and the type constant in each instantiation). */
+static inline __attribute__((always_inline)) MB_KQ_TARGET void
+mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR, const int type) {
+    const int q6 = type == MB_GGML_Q6_K;
     const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
-    __m512 A[MB_KQ_ROWS];
-    __m256 N[MB_KQ_ROWS];
-    for (int r = 0; r < MR; r++)
-        A[r] = _mm512_setzero_ps(), N[r] = _mm256_setzero_ps();
-    const __m512i small = _mm512_loadu_si512(mb_kq_small);
-    const __m512i small16 = _mm512_inserti64x4(small, _mm512_castsi512_si256(small), 1); /* 0..15 twice */
-    const __m512i q6a = _mm512_loadu_si512(mb_kq_q6), q6b = _mm512_loadu_si512(mb_kq_q6 + 32);
-    const __m512i low4 = _mm512_set1_epi16(0xf);
-    const uint8_t *row = j->w + (size_t)c * j->row_bytes;
+    const float unshift = type == MB_GGML_Q4_K ? 0.125f : type == MB_GGML_Q5_K ? 0.25f : 0.5f;
+    __m512 A[MB_KQ_ROWS], N[MB_KQ_ROWS];
+    _Pragma("GCC unroll 32")
+    for (int i = 0; i < MR; i++)
+        A[i] = _mm512_setzero_ps(), N[i] = _mm512_setzero_ps();
+    const uint16_t *xp = j->xp + (size_t)r0 * j->k;
+    const float *xs = j->xs + (size_t)r0 * j->ldxs;
     for (int32_t b = 0; b < j->blocks; b++) {
-        const uint8_t *blk = row + (size_t)b * bb;
-        __m512bh q[8];
-        __m512 s[8];
-        float dscs[8];
-        __m256 dmn = _mm256_setzero_ps();
-        if (type == MB_GGML_Q6_K) {
-            const uint8_t *ql = blk, *qh = blk + 128;
-            for (int h = 0; h < 2; h++) {
-                __m512i la = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h)));
-                __m512i lb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32)));
-                __m512i hw = _mm512_slli_epi16(
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * h))), 4);
-                const __m512i m30 = _mm512_set1_epi16(0x30);
-                __m512i v0 = _mm512_or_si512(_mm512_and_si512(la, low4), _mm512_and_si512(hw, m30));
-                __m512i v1 = _mm512_or_si512(_mm512_and_si512(lb, low4),
-                                             _mm512_and_si512(_mm512_srli_epi16(hw, 2), m30));
-                __m512i v2 = _mm512_or_si512(_mm512_srli_epi16(la, 4),
-                                             _mm512_and_si512(_mm512_srli_epi16(hw, 4), m30));
-                __m512i v3 = _mm512_or_si512(_mm512_srli_epi16(lb, 4),
-                                             _mm512_and_si512(_mm512_srli_epi16(hw, 6), m30));
-                q[4 * h + 0] = (__m512bh)_mm512_permutex2var_epi16(q6a, v0, q6b);
-                q[4 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(q6a, v1, q6b);
-                q[4 * h + 2] = (__m512bh)_mm512_permutex2var_epi16(q6a, v2, q6b);
-                q[4 * h + 3] = (__m512bh)_mm512_permutex2var_epi16(q6a, v3, q6b);
-            }
-            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192))));
-            sc = _mm512_mul_ps(_mm512_set1_ps(mb_f16_f32(blk + 208)), sc); /* d * sc[i], exact */
-            for (int t = 0; t < 8; t++) { /* lanes 0-7: sub-block 2t, lanes 8-15: 2t + 1 */
-                __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * t), _mm256_set1_epi32(2 * t + 1), 1);
-                s[t] = _mm512_permutexvar_ps(idx, sc);
-            }
+        const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
+        _Pragma("GCC unroll 4")
+        for (int o = 0; o < bb; o += 64) /* 2 KB ahead (into the next row near the end) */
+            _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T0);
+        __m512 s[4], cv;
+        if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
+            __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+            __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
+            const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < 4; g++)
+                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
+            cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
         } else {
             /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
             uint32_t u0, u1, u2;
@@ -341,108 +388,124 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const float *
                            (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
             uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
                            (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-            __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk)),
+            __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-            dmn = _mm256_mul_ps(_mm256_set1_ps(mb_f16_f32(blk + 2)),
-                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-            _mm256_storeu_ps(dscs, dsc);
-            const uint8_t *qs = blk + (type == MB_GGML_Q5_K ? 48 : 16);
-            __m512i hw = _mm512_setzero_si512();
-            if (type == MB_GGML_Q5_K) /* bit t of byte i: the fifth bit of q[32t + i] */
-                hw = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16))), 4);
-            const __m512i bit4 = _mm512_set1_epi16(0x10);
-            for (int h = 0; h < 4; h++) {
-                __m512i wq = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)));
-                /* Q4_K: vpermw reads the low 5 bits, and the table repeats 0 .. 15 twice */
-                __m512i lo = type == MB_GGML_Q5_K ? _mm512_and_si512(wq, low4) : wq;
-                __m512i hi = _mm512_srli_epi16(wq, 4);
-                if (type == MB_GGML_Q5_K) {
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h)), bit4));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srl_epi16(hw, _mm_cvtsi32_si128(2 * h + 1)), bit4));
-                }
-                q[2 * h] = (__m512bh)_mm512_permutexvar_epi16(lo, type == MB_GGML_Q5_K ? small : small16);
-                q[2 * h + 1] = (__m512bh)_mm512_permutexvar_epi16(hi, small);
+            __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
+                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
+            cv = _mm512_castps256_ps512(
+                _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
+            /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
+            __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
+            const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < 4; g++)
+                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * (g / 2) + g % 2)), sh);
+        }
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++) {
+            __m512bh E, O;
+            mb_kq_words(blk, g, type, &E, &O);
+            if (MR > 2)
+                { MB_KQ_PIN(E); MB_KQ_PIN(O); }
+            _Pragma("GCC unroll 32")
+            for (int r = 0; r < MR; r++) {
+                const uint16_t *x = xp + (size_t)r * j->k + (size_t)b * MB_QK + 64 * g;
+                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), E);
+                p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_loadu_si512(x + 32), O);
+                A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[g], p));
+            }
+            if (MR > 2) {
+                _Pragma("GCC unroll 32")
+                for (int r = 0; r < MR; r++)
+                    MB_KQ_PIN(A[r]);
             }
         }
+        _Pragma("GCC unroll 32")
         for (int r = 0; r < MR; r++) {
-            const uint16_t *x = j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK;
-            for (int t = 0; t < 8; t++) {
-                __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32 * t), q[t]);
-                A[r] = _mm512_add_ps(A[r], mins ? mb_kq_mul_bcast(p, dscs + t) : _mm512_mul_ps(s[t], p));
-            }
-            if (mins) {
-                __m256 X = xs ? _mm256_loadu_ps(xs + ((size_t)r * j->blocks + b) * 8) : mb_kq_xsums_avx512(x);
-                N[r] = _mm256_add_ps(N[r], _mm256_mul_ps(dmn, X));
-            }
+            const float *xr = xs + (size_t)r * j->ldxs;
+            if (q6)
+                N[r] = _mm512_add_ps(N[r], _mm512_mul_ps(cv, _mm512_loadu_ps(xr + (size_t)b * 16)));
+            else
+                N[r] = _mm512_castps256_ps512(_mm256_add_ps(_mm512_castps512_ps256(N[r]),
+                    _mm256_mul_ps(_mm512_castps512_ps256(cv), _mm256_loadu_ps(xr + (size_t)b * 8))));
         }
     }
+    _Pragma("GCC unroll 32")
     for (int r = 0; r < MR; r++) {
-        float out = mins ? mb_sum16_avx512(A[r]) - mb_sum8_avx512(N[r]) : mb_sum16_avx512(A[r]);
+        float out = mb_sum16_avx512(A[r]) - (q6 ? mb_sum16_avx512(N[r]) : mb_sum8_avx512(_mm512_castps512_ps256(N[r])));
         mb_kq_store(j, r0 + r, c, out);
     }
 }
 
-#define MB_KQ_ROWS_CASES(TYPE)                                                                  \
-    switch (rows) {                                                                             \
-    case 1: mb_kq_out_avx512(j, r0, c, xs, 1, TYPE); break;                                         \
-    case 2: mb_kq_out_avx512(j, r0, c, xs, 2, TYPE); break;                                         \
-    case 3: mb_kq_out_avx512(j, r0, c, xs, 3, TYPE); break;                                         \
-    case 4: mb_kq_out_avx512(j, r0, c, xs, 4, TYPE); break;                                         \
-    case 5: mb_kq_out_avx512(j, r0, c, xs, 5, TYPE); break;                                         \
-    case 6: mb_kq_out_avx512(j, r0, c, xs, 6, TYPE); break;                                         \
-    case 7: mb_kq_out_avx512(j, r0, c, xs, 7, TYPE); break;                                         \
-    case 8: mb_kq_out_avx512(j, r0, c, xs, 8, TYPE); break;                                         \
-    case 9: mb_kq_out_avx512(j, r0, c, xs, 9, TYPE); break;                                         \
-    case 10: mb_kq_out_avx512(j, r0, c, xs, 10, TYPE); break;                                       \
-    case 11: mb_kq_out_avx512(j, r0, c, xs, 11, TYPE); break;                                       \
-    case 12: mb_kq_out_avx512(j, r0, c, xs, 12, TYPE); break;                                       \
-    case 13: mb_kq_out_avx512(j, r0, c, xs, 13, TYPE); break;                                       \
-    case 14: mb_kq_out_avx512(j, r0, c, xs, 14, TYPE); break;                                       \
-    case 15: mb_kq_out_avx512(j, r0, c, xs, 15, TYPE); break;                                       \
-    default: mb_kq_out_avx512(j, r0, c, xs, 16, TYPE); break;                                       \
-    }
-
-/* Q4_K / Q5_K: the item's rows' X once (when they fit), then each output */
+/* Outputs c0 .. c1 for `rows` rows from r0, one output at a time: its weight row is read
+ * once, front to back (two or four rows streamed side by side ran at half the speed on
+ * matrices past the caches, as did k-tiles that jump between rows). */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
-mb_kq_run_mins(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t c1, const int type) {
-    float sums[MB_KQ_ROWS * MB_KQ_SUM_BLOCKS * 8];
-    const float *xs = NULL;
-    if (j->blocks <= MB_KQ_SUM_BLOCKS) {
-        for (int32_t r = 0; r < rows; r++)
-            for (int32_t b = 0; b < j->blocks; b++)
-                _mm256_storeu_ps(sums + ((size_t)r * j->blocks + b) * 8,
-                                 mb_kq_xsums_avx512(j->x + (size_t)(r0 + r) * j->ldx + (size_t)b * MB_QK));
-        xs = sums;
-    }
-    for (int32_t c = c0; c < c1; c++) {
-        if (type == MB_GGML_Q4_K)
-            MB_KQ_ROWS_CASES(MB_GGML_Q4_K)
-        else
-            MB_KQ_ROWS_CASES(MB_GGML_Q5_K)
+mb_kq_run_avx512(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t c1, const int type) {
+    switch (rows) {
+#define MB_KQ_ROWS_CASE(R) \
+    case R: for (int32_t c = c0; c < c1; c++) mb_kq_out_avx512(j, r0, c, R, type); break;
+    MB_KQ_ROWS_CASE(1) MB_KQ_ROWS_CASE(2) MB_KQ_ROWS_CASE(3) MB_KQ_ROWS_CASE(4)
+    MB_KQ_ROWS_CASE(5) MB_KQ_ROWS_CASE(6) MB_KQ_ROWS_CASE(7)
+#undef MB_KQ_ROWS_CASE
+    default:
+        for (int32_t c = c0; c < c1; c++)
+            mb_kq_out_avx512(j, r0, c, 8, type);
+        break;
     }
 }
 
 static MB_KQ_TARGET void mb_kq_run_q4k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
-    mb_kq_run_mins(j, r0, rows, c0, c1, MB_GGML_Q4_K);
+    mb_kq_run_avx512(j, r0, rows, c0, c1, MB_GGML_Q4_K);
 }
 
 static MB_KQ_TARGET void mb_kq_run_q5k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
-    mb_kq_run_mins(j, r0, rows, c0, c1, MB_GGML_Q5_K);
+    mb_kq_run_avx512(j, r0, rows, c0, c1, MB_GGML_Q5_K);
 }
 
 static MB_KQ_TARGET void mb_kq_run_q6k(const struct mb_kq_job *j, int32_t r0, int32_t rows,
                                        int32_t c0, int32_t c1) {
-    const float *xs = NULL;
-    for (int32_t c = c0; c < c1; c++)
-        MB_KQ_ROWS_CASES(MB_GGML_Q6_K)
+    mb_kq_run_avx512(j, r0, rows, c0, c1, MB_GGML_Q6_K);
+}
+
+/* mb_kq_xsums, 16 x at a time: the same tree (mb_sum16's adds), so the same bits */
+static MB_KQ_TARGET void mb_kq_xsums_avx512(const uint16_t *x, int32_t k, int q6, float *xs) {
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int32_t g = 0; g < k / 16; g++) {
+        __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + 16 * g))), 16);
+        v = _mm512_mask_and_epi32(v, _mm512_testn_epi32_mask(v, expo), v, sign); /* denormal -> zero */
+        float sum = mb_sum16_avx512(_mm512_castsi512_ps(v));
+        if (q6)
+            xs[g] = sum;
+        else if (g % 2)
+            xs[g / 2] = xs[g / 2] + sum; /* X16[2t] + X16[2t+1] */
+        else
+            xs[g / 2] = sum;
+    }
+}
+
+/* x row in the words' order: per block, group g's E then O vectors, each the even (odd)
+ * words of two chunks (Q4_K, Q5_K: 4 (g / 2) + g % 2 and that + 2; Q6_K: 2g and 2g + 1) */
+static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int q6, uint16_t *xp) {
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    for (int32_t i = 0; i < k; i += MB_QK)
+        for (int g = 0; g < 4; g++) {
+            int ca = q6 ? 2 * g : 4 * (g / 2) + g % 2, cb = q6 ? ca + 1 : ca + 2;
+            __m512i a = _mm512_loadu_si512(x + i + 32 * ca), b = _mm512_loadu_si512(x + i + 32 * cb);
+            _mm512_storeu_si512(xp + i + 64 * g, _mm512_permutex2var_epi16(a, even, b));
+            _mm512_storeu_si512(xp + i + 64 * g + 32, _mm512_permutex2var_epi16(a, odd, b));
+        }
 }
 #else
 #define MB_KQ_HAVE_AVX512 0
 #endif
 
-/* Guided handout, as csrc/linear.c's mb_worker: runs of remaining / (2 * threads) items. */
+/* Guided handout, as csrc/linear.c's mb_worker: runs of remaining / (2 * threads) items;
+ * item i is tile i / groups, row group i % groups. */
 static void mb_kq_worker(void *data) {
     struct mb_kq_job *j = (struct mb_kq_job *)data;
     for (;;) {
@@ -450,7 +513,7 @@ static void mb_kq_worker(void *data) {
         if (take == 0)
             return;
         for (int64_t i = first; i < first + take; i++) {
-            int32_t g = (int32_t)(i / j->tiles), t = (int32_t)(i % j->tiles);
+            int32_t g = (int32_t)(i % j->groups), t = (int32_t)(i / j->groups);
             int32_t r0 = g * MB_KQ_ROWS, c0 = t * MB_KQ_TILE;
             int32_t rows = j->m - r0 < MB_KQ_ROWS ? j->m - r0 : MB_KQ_ROWS;
             int32_t c1 = j->n - c0 < MB_KQ_TILE ? j->n : c0 + MB_KQ_TILE;
@@ -470,14 +533,37 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
     memset(&j, 0, sizeof j);
     j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.blocks = k / MB_QK;
     j.x = x, j.ldx = ldx, j.m = m, j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    int avx = 0;
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_kq_run_portable;
 #if MB_KQ_HAVE_AVX512
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
-        j.run = type == MB_GGML_Q4_K ? mb_kq_run_q4k : type == MB_GGML_Q5_K ? mb_kq_run_q5k : mb_kq_run_q6k;
+        j.run = type == MB_GGML_Q4_K ? mb_kq_run_q4k : type == MB_GGML_Q5_K ? mb_kq_run_q5k : mb_kq_run_q6k, avx = 1;
 #endif
     else
         return MB_EINVAL;
+    /* The per-call x work (the sums, the permuted copy): m * (k/16 floats + k words), made
+     * here once for all outputs. The caller hands no scratch, so it is allocated per call:
+     * a few KB to a few hundred KB against a call that reads megabytes of weights. */
+    const int q6 = type == MB_GGML_Q6_K;
+    j.ldxs = q6 ? k / 16 : k / 32;
+    size_t xs_bytes = (size_t)m * j.ldxs * sizeof(float), xp_bytes = avx ? (size_t)m * k * 2 : 0;
+    void *scratch = malloc(xs_bytes + xp_bytes + 64);
+    if (scratch == NULL)
+        return MB_ESCRATCH;
+    float *xs = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    uint16_t *xp = (uint16_t *)(xs + (size_t)m * j.ldxs);
+    for (int32_t r = 0; r < m; r++) {
+#if MB_KQ_HAVE_AVX512
+        if (avx) {
+            mb_kq_xsums_avx512(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
+            mb_kq_permute_avx512(x + (size_t)r * ldx, k, q6, xp + (size_t)r * k);
+            continue;
+        }
+#endif
+        mb_kq_xsums(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
+    }
+    j.xs = xs, j.xp = avx ? xp : NULL;
     j.tiles = (n + MB_KQ_TILE - 1) / MB_KQ_TILE;
     j.groups = (m + MB_KQ_ROWS - 1) / MB_KQ_ROWS;
     j.items = (int64_t)j.tiles * j.groups;
@@ -490,5 +576,6 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
         ((mb_parallel_fn)parallel)(mb_kq_worker, &j, (unsigned)threads, 0);
     else
         mb_kq_worker(&j);
+    free(scratch);
     return MB_OK;
 }

@@ -261,7 +261,8 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
  * dequant(w row c) (+ bias[c]) for r < m, c < n; type MB_GGML_Q4_K, Q5_K or Q6_K; w: n
  * rows row_bytes apart, each k / 256 blocks in ggml's layout (the file's bytes); x, bias,
  * y, y_mode, ldy, kernel, parallel, threads as mb_bf16_linear's. MB_EINVAL for another
- * type, k not a multiple of 256, row_bytes under k / 256 blocks, or a bad size. */
+ * type, k not a multiple of 256, row_bytes under k / 256 blocks, or a bad size;
+ * MB_ESCRATCH when the per-call x scratch (m * k * 2.25 bytes) cannot be allocated. */
 int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
                  const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                  int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);

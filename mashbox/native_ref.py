@@ -693,16 +693,20 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
 
 # ---- K-quant linear layers (kq_linear; csrc/kquant.c states the rule) ----
 #
-# y[r, c] = x[r] . dequant(w row c) on GGUF Q4_K / Q5_K / Q6_K blocks of 256 weights. Per
-# output, 16 float32 lanes; lane l of chunk t (weights 32t .. 32t+31 of a block) takes
-# the pair (2l, 2l+1): P = (+0 + x[2l+1] q[2l+1]) + x[2l] q[2l] (q the block's small
-# integers, Q6_K's minus 32; products exact; the two adds as vdpbf16ps, denormals zero),
-# A[l] = A[l] + s * P with s = float32(d) * sc of the lane's sub-block (exact). Q4_K and
-# Q5_K subtract their mins by each sub-block's sum of x, X[t] = sum16 over the lanes of
-# (+0 + x[2l+1]) + x[2l] (denormals zero), in 8 lanes: N[t] = N[t] + (float32(dmin) *
-# mn[t]) * X[t]. Blocks in order; out = sum16(A) - sum8(N) (Q6_K: sum16(A)), sum16 adding
-# lane l and l + 8, then l and l + 4, l and l + 2, l and l + 1 (sum8 from l and l + 4);
-# then + bias and y as bf16_linear writes it.
+# y[r, c] = x[r] . dequant(w row c) on GGUF Q4_K / Q5_K / Q6_K blocks of 256 weights. Each
+# weight goes in as the bfloat16 word W = 128 + u * 2^e, u its stored integer (Q4_K, Q5_K:
+# q; Q6_K: q + 32), e = 3, 2, 1 (exact: u * 2^e < 128). A block's words go in four groups
+# g of two 32-word vectors E, O; word w of E (O) holds the block weight KQ_SLOTS[type][g,
+# 0 (1), w] (csrc/kquant.c's mb_kq_slot). Per output, 16 float32 lanes; lane l of group g
+# takes E's words 2l, 2l+1 then O's: P = (+0 + x W at E 2l+1) + x W at E 2l, then P = (P +
+# x W at O 2l+1) + x W at O 2l (products exact; the adds as two vdpbf16ps, denormals
+# zero), A[l] = A[l] + s * P with s = float32(d) * sc * 2^-e of the lane's sub-block
+# (exact). The offset comes back through sums of x: X16[j] = sum16 of x[16j .. 16j+15]
+# (denormals zero), X32[t] = X16[2t] + X16[2t+1]; per block N[t] = N[t] + ((d*sc[t]) *
+# 2^(7-e) + dmin*mn[t]) * X32[t] (Q4_K, Q5_K: 8 lanes) or N[j] = N[j] + ((d*sc[j]) * 96) *
+# X16[j] (Q6_K: 16 lanes). Blocks in order; out = sum16(A) - sum8(N) (Q6_K: - sum16(N)),
+# sum16 adding lane l and l + 8, then l and l + 4, l and l + 2, l and l + 1 (sum8 from l
+# and l + 4); then + bias and y as bf16_linear writes it.
 # q, s, mn and dmin*mn are read back from gguf's own dequantizer (`kq_parts`) on probe
 # blocks, so the reference does not share the C code's reading of the layout.
 
@@ -772,6 +776,21 @@ def _sum8(v: np.ndarray) -> np.ndarray:
     return v[..., 0] + v[..., 1]
 
 
+KQ_SHIFT = {12: 3, 13: 2, 14: 1}  # e of W = 128 + u * 2^e
+
+
+def _kq_slots(q6: bool) -> np.ndarray:
+    """int[4, 2, 32]: the block weight that word w of group g's E (0) / O (1) vector holds."""
+    g, o, w = np.meshgrid(np.arange(4), np.arange(2), np.arange(32), indexing="ij")
+    hi, i = w // 16, 2 * (w % 16) + o
+    if q6:  # half g // 2, part 2 (g % 2) + hi
+        return 128 * (g // 2) + 32 * (2 * (g % 2) + hi) + i
+    return 32 * (4 * (g // 2) + 2 * hi + g % 2) + i  # chunk 4 (g // 2) + 2 hi + g % 2
+
+
+KQ_SLOTS = {12: _kq_slots(False), 13: _kq_slots(False), 14: _kq_slots(True)}
+
+
 def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
               y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """w uint8[n, k / 256 * block bytes] (GGUF rows), x uint16[m, k] bfloat16 bits, bias
@@ -780,23 +799,33 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
     n = w.shape[0]
     m, k = x.shape
     nb = k // KQ_BLOCK
+    q6, e = qtype == 14, KQ_SHIFT[qtype]
     q, s, mn, dmin = kq_parts(np.asarray(w, dtype=np.uint8).reshape(n, nb, KQ_BLOCK_BYTES[qtype]), qtype)
-    lanes = (n, nb, 8, 16, 2)  # block, chunk, lane, (even, odd)
-    q, dmn = q.reshape(lanes), dmin[..., None] * mn[..., ::32].reshape(n, nb, 8)  # [n, nb, 8] exact
-    s = s.reshape(lanes)[..., 0]  # [n, nb, 8, 16]: a lane's pair shares its sub-block
-    xf = _flush(bf16_to_f32(x)).reshape(m, 1, nb, 8, 16, 2)
-    xe, xo = xf[..., 0], xf[..., 1]  # [m, 1, nb, 8, 16]
+    u = q + np.float32(32) if q6 else q
+    slots = KQ_SLOTS[qtype]  # [4, 2, 32]
+    word = (np.float32(128) + u * np.float32(2 ** e)).reshape(n, nb, KQ_BLOCK)[..., slots]
+    word = word.reshape(n, nb, 4, 2, 16, 2)  # block, group, E/O, lane, (even, odd) word
+    sw = s.reshape(n, nb, KQ_BLOCK)[..., slots[:, 0, 0::2]] * np.float32(2.0 ** -e)  # [n, nb, 4, 16]
+    if q6:  # [n, nb, 16] per sub-block of 16
+        coef = s[..., ::16] * np.float32(96)
+    else:  # [n, nb, 8] per sub-block of 32: one rounding, the add
+        coef = s[..., ::32] * np.float32(2 ** (7 - e)) + dmin[..., None] * mn[..., ::32]
+    xf = _flush(bf16_to_f32(x))
+    xw = xf.reshape(m, nb, KQ_BLOCK)[..., slots].reshape(m, 1, nb, 4, 2, 16, 2)
     zero = np.float32(0)
     with np.errstate(all="ignore"):
-        p = _flush(_flush(zero + xo * q[..., 1]) + xe * q[..., 0])  # [m, n, nb, 8, 16]
-        xsum = _sum16(_flush(_flush(zero + xo) + xe))  # [m, 1, nb, 8]
+        x16 = _sum16(xf.reshape(m, nb * 16, 16))  # [m, k/16]
+        xsum = x16.reshape(m, 1, nb, 16) if q6 else (x16[:, 0::2] + x16[:, 1::2]).reshape(m, 1, nb, 8)
+        p = zero
+        for o in range(2):  # [m, n, nb, 4, 16]: E's pair, then O's
+            p = _flush(_flush(p + xw[..., o, :, 1] * word[..., o, :, 1]) + xw[..., o, :, 0] * word[..., o, :, 0])
         acc = np.zeros((m, n, 16), dtype=np.float32)
-        mins = np.zeros((m, n, 8), dtype=np.float32)
+        mins = np.zeros((m, n, coef.shape[-1]), dtype=np.float32)
         for b in range(nb):
-            for t in range(8):
-                acc = acc + s[:, b, t] * p[:, :, b, t]
-            mins = mins + dmn[:, b] * xsum[:, :, b]
-        out = _sum16(acc) if qtype == 14 else _sum16(acc) - _sum8(mins)  # [m, n]
+            for g in range(4):
+                acc = acc + sw[:, b, g] * p[:, :, b, g]
+            mins = mins + coef[:, b] * xsum[:, :, b]
+        out = _sum16(acc) - (_sum16(mins) if q6 else _sum8(mins))  # [m, n]
         if bias is not None:
             out = out + np.asarray(bias, dtype=np.float32)
         if add_to is not None:

@@ -112,15 +112,16 @@ def test_a_bigger_case_and_the_dense_product(qtype):
     assert np.all(np.abs(want - exact) <= 1e-5 * scale + 1e-30)
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q5_K], ids=TYPE_IDS[:2])
-def test_long_rows_make_their_sums_per_output(qtype):
-    """Past 64 blocks (k > 16384) the AVX-512 path makes each sub-block's x sum per
-    output instead of once per work item: the same bits."""
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_long_rows_and_a_second_tile(qtype):
+    """Long rows (65 blocks; 12 blocks for a full row group and one more row) and 37
+    outputs (a work item of 32, then 5): the same bits as the reference."""
     rng = np.random.default_rng(5)
-    w, x = _rows(rng, qtype, 3, 65), _x(rng, 2, 65 * BLOCK)
-    want = native_ref.kq_linear(qtype, w, x, y_f32=True)
-    for kernel in KERNELS:
-        assert _same(native.kq_linear(qtype, w, x, y_f32=True, kernel=kernel), want), kernel
+    for m, blocks in ((9, 12), (2, 65), (1, 65)):
+        w, x = _rows(rng, qtype, 37, blocks), _x(rng, m, blocks * BLOCK)
+        want = native_ref.kq_linear(qtype, w, x, y_f32=True)
+        for kernel in KERNELS:
+            assert _same(native.kq_linear(qtype, w, x, y_f32=True, kernel=kernel), want), (kernel, m)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
