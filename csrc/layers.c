@@ -11,7 +11,8 @@
  * (tests/model/test_decoder_invariance.py): both give the same bits.
  *
  * Per layer, for the t rows of x (the residual stream, updated in place):
- *   h = rmsnorm(x, input_norm); qkv = h . qkv^T (+ bias); rope of q, k and the K/V cache
+ *   h = rmsnorm(x, input_norm); qkv = h . qkv^T (+ bias) (q|k and v as two calls where v
+ *   has a weight of its own: mb_layer's v); rope of q, k and the K/V cache
  *   write; attention of every row over its slot; x += attn . o^T (+ bias);
  *   h = rmsnorm(x, post_norm); gu = h . gate_up^T; act = silu(gate) * up; x += act . down^T.
  */
@@ -52,6 +53,7 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
     if (scratch_len < mb_bf16_decode_scratch(t, hidden, heads, kv_heads, head_dim, intermediate))
         return MB_ESCRATCH;
     int32_t q_size = heads * head_dim, qkv_n = (heads + 2 * kv_heads) * head_dim;
+    int32_t qk_n = (heads + kv_heads) * head_dim, kv_n = kv_heads * head_dim;
     /* scratch, in mb_bf16_decode_scratch's order: h, qkv, attn, gu, act */
     uint16_t *h = scratch, *qkv = h + (size_t)t * hidden, *attn = qkv + (size_t)t * qkv_n;
     uint16_t *gu = attn + (size_t)t * q_size, *act = gu + (size_t)t * 2 * intermediate;
@@ -60,8 +62,11 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
         uint16_t *kc = k_cache + (size_t)li * layer_stride, *vc = v_cache + (size_t)li * layer_stride;
         int rc;
         if ((rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->input_norm, eps, h, hidden)) ||
-            (rc = mb_layer_linear(L->qkv, L->qkv_type, L->qkv_row_bytes, h, hidden, t, qkv_n, hidden,
-                                  L->qkv_bias, qkv, MB_Y_BF16, qkv_n, kernel, parallel, threads)) ||
+            (rc = mb_layer_linear(L->qkv, L->qkv_type, L->qkv_row_bytes, h, hidden, t, L->v ? qk_n : qkv_n,
+                                  hidden, L->qkv_bias, qkv, MB_Y_BF16, qkv_n, kernel, parallel, threads)) ||
+            (L->v && (rc = mb_layer_linear(L->v, L->v_type, L->v_row_bytes, h, hidden, t, kv_n, hidden,
+                                           L->qkv_bias ? L->qkv_bias + qk_n : NULL, qkv + qk_n, MB_Y_BF16,
+                                           qkv_n, kernel, parallel, threads))) ||
             (rc = mb_bf16_rope_kv(qkv, qkv_n, t, heads, kv_heads, head_dim, cos, sin, positions,
                                   slots, kc, vc, n_slots, capacity, table_rows)) ||
             (rc = mb_bf16_attention(qkv, qkv_n, t, rows, slots, ends, t, heads, kv_heads, head_dim,

@@ -233,6 +233,13 @@ struct mb_layer {
      * mb_q_linear, rows *_row_bytes apart (csrc/quant.c) */
     int32_t qkv_type, o_type, gate_up_type, down_type;
     int64_t qkv_row_bytes, o_row_bytes, gate_up_row_bytes, down_row_bytes;
+    /* NULL: qkv holds q, k and v. Else qkv holds only q|k ((heads + kv_heads) * head_dim
+     * rows) and v the kv_heads * head_dim rows of v, of its own v_type (a GGUF that stores
+     * v in another block type than q and k: one linear reads one type); qkv_bias stays the
+     * whole q|k|v bias. */
+    const uint16_t *v;
+    int32_t v_type;
+    int64_t v_row_bytes;
 };
 
 /* bfloat16 elements of scratch mb_bf16_decode_layers needs for t rows:

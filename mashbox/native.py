@@ -523,9 +523,9 @@ def bf16_silu_mul(x: np.ndarray) -> np.ndarray:
     return out
 
 
-LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # struct mb_layer's uint16_t * fields
+LAYER_WEIGHTS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # struct mb_layer's uint16_t * fields (and v, 0 when absent)
 LAYER_BIASES = ("qkv_bias", "o_bias")  # its float * fields (0: none)
-LAYER_BLOCKS = ("qkv", "o", "gate_up", "down")  # linears with <name>_type, <name>_row_bytes (0: packed)
+LAYER_BLOCKS = ("qkv", "o", "gate_up", "down", "v")  # linears with <name>_type, <name>_row_bytes (0: packed)
 
 
 def bf16_layers(layers: Sequence[dict[str, int]]):
@@ -537,6 +537,7 @@ def bf16_layers(layers: Sequence[dict[str, int]]):
     for i, layer in enumerate(layers):
         for name in LAYER_WEIGHTS:
             setattr(arr[i], name, _ffi.cast("uint16_t *", layer[name]))
+        arr[i].v = _ffi.cast("uint16_t *", layer.get("v", 0))  # NULL: v is part of qkv
         for name in LAYER_BIASES:
             setattr(arr[i], name, _ffi.cast("float *", layer.get(name, 0)))
         for name in LAYER_BLOCKS:  # 0 when absent: packed bfloat16

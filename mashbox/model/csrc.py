@@ -246,7 +246,8 @@ class LayerTable:
     layers: one dict per layer of input_norm, post_norm (bfloat16 [hidden]); qkv, o,
     gate_up, down (packed int16 buffers, as mb_bf16_pack lays them out, with their [n, k]
     in `shapes`; or, where the dict has `<name>_type`, a GGUF block type, uint8 blocks
-    [n, row_bytes] for mb_q_linear); qkv_bias, o_bias (float32 [n] or None)."""
+    [n, row_bytes] for mb_q_linear); qkv_bias, o_bias (float32 [n] or None). A layer with
+    `v` (and `v_type`: blocks only) holds v apart: qkv is then q|k alone."""
 
     __slots__ = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "count", "_tensors", "array")
 
@@ -260,11 +261,17 @@ class LayerTable:
         biases = {"qkv_bias": qkv_n, "o_bias": hidden}
         self._tensors: list[torch.Tensor] = []
         entries = []
+        kv_n = kv_heads * head_dim
         for i, layer in enumerate(layers):
             entry: dict[str, int] = {}
             for name in ("input_norm", "post_norm"):
                 _vector(layer[name], f"layers[{i}].{name}", torch.bfloat16, hidden)
-            for name, (n, k) in shapes.items():
+            own = dict(shapes)
+            if layer.get("v") is not None:
+                if not layer.get("v_type"):
+                    raise ValueError(f"layers[{i}].v: a v apart is GGUF blocks (v_type)")
+                own["qkv"], own["v"] = (qkv_n - kv_n, hidden), (kv_n, hidden)
+            for name, (n, k) in own.items():
                 qtype = int(layer.get(name + "_type") or 0)
                 try:
                     if qtype:

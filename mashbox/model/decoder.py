@@ -62,7 +62,7 @@ from mashbox.model.kv_cache import KVCache
 from mashbox.model import linear
 from mashbox.model.layer_loop import CLayers, Layer, PythonLayers, Step, StepLimits
 from mashbox.model.linear import (INT4_GROUP, BF16Linear, Int4Weight, Int8Weight, Linear, OneDNNLinear,
-                                  QuantLinear, TorchLinear)
+                                  QkvSplit, QuantLinear, TorchLinear)
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
@@ -107,7 +107,7 @@ _HEAD_FORMAT = {"dense": "dense", "int8": "int8", "int4": "dense", "gguf": "gguf
 class _Parts:
     """One layer's weights as loaded, before they take their linear form."""
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: Union[torch.Tensor, BlockWeight, tuple[BlockWeight, BlockWeight]]  # [q_size + 2 * kv_size, hidden]; (q|k, v) blocks of two types
     qkv_bias: Optional[torch.Tensor]  # [q_size + 2 * kv_size]
     qk_norm: Optional[torch.Tensor]  # [heads + kv_heads, head_dim]
     o: torch.Tensor  # [hidden, q_size]
@@ -179,7 +179,7 @@ class Decoder:
             a = p + "self_attn."
             qkv = self._fuse([take(a + "q_proj.weight", (c.q_size, c.hidden_size)),
                               take(a + "k_proj.weight", (c.kv_size, c.hidden_size)),
-                              take(a + "v_proj.weight", (c.kv_size, c.hidden_size))])
+                              take(a + "v_proj.weight", (c.kv_size, c.hidden_size))], split_last=True)
             qkv_bias = None
             if c.attention_bias:
                 qkv_bias = fuse([take(a + "q_proj.bias", (c.q_size,)),
@@ -194,7 +194,7 @@ class Decoder:
                                   take(m + "up_proj.weight", (c.intermediate_size, c.hidden_size))])
             parts.append(_Parts(
                 input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-                qkv=qkv if isinstance(qkv, BlockWeight) else qkv.reshape(qkv_rows, c.hidden_size),
+                qkv=qkv if isinstance(qkv, (BlockWeight, tuple)) else qkv.reshape(qkv_rows, c.hidden_size),
                 qkv_bias=qkv_bias, qk_norm=qk_norm,
                 o=take(a + "o_proj.weight", (c.hidden_size, c.q_size)),
                 o_bias=take.optional(a + "o_proj.bias", (c.hidden_size,)),
@@ -203,11 +203,18 @@ class Decoder:
         take.finish()
         return parts
 
-    def _fuse(self, parts: list) -> Union[torch.Tensor, BlockWeight]:
+    def _fuse(self, parts: list, split_last: bool = False) -> Union[torch.Tensor, BlockWeight, tuple]:
         """Parts of a fused weight: their blocks stacked where all are blocks of one type
-        (weights "gguf"), else dense (a part in blocks dequantized: another type beside it)."""
-        if all(isinstance(p, BlockWeight) for p in parts) and len({p.type_name for p in parts}) == 1:
-            return BlockWeight.cat(parts)
+        (weights "gguf"); with split_last, blocks whose last part alone has another type
+        (q|k|v with v in Q6_K beside Q4_K q and k, as Q4_K_M files hold it) stay blocks as
+        (the others stacked, the last): linear.QkvSplit; else dense (a part in blocks
+        dequantized: another type beside it)."""
+        if all(isinstance(p, BlockWeight) for p in parts):
+            types = {p.type_name for p in parts}
+            if len(types) == 1:
+                return BlockWeight.cat(parts)
+            if split_last and len({p.type_name for p in parts[:-1]}) == 1:
+                return BlockWeight.cat(parts[:-1]), parts[-1]
         return fuse([p.dequantize(self.dtype, self.device) if isinstance(p, BlockWeight) else p for p in parts])
 
     def _linears(self, parts: list[_Parts], weights: str) -> list[Layer]:
@@ -230,12 +237,16 @@ class Decoder:
         kind, kernel = self.kernels.linears, self.kernels.kernel
         arena = None
         if kind == "csrc" and weights in ("dense", "gguf"):
-            order = [w for p in parts for w in (p.qkv, p.o, p.gate_up, p.down)] + [self._head]
+            order = [w for p in parts for w in (*_split(p.qkv), p.o, p.gate_up, p.down)] + [self._head]
             arena = linear.WeightArena(linear.arena_bytes(
                 [w.nbytes if isinstance(w, BlockWeight) else BF16Linear.packed_bytes(w)
                  for w in order if isinstance(w, BlockWeight) or BF16Linear.supports(w)]))
 
-        def make(w: Union[torch.Tensor, BlockWeight], fmt: str, bias: Optional[torch.Tensor] = None) -> Linear:
+        def make(w: Union[torch.Tensor, BlockWeight, tuple], fmt: str, bias: Optional[torch.Tensor] = None) -> Linear:
+            if isinstance(w, tuple):  # q|k and v blocks of two types
+                qk, v = w
+                into = None if arena is None else (arena.take(qk.nbytes), arena.take(v.nbytes))
+                return QkvSplit(qk, v, bias, kernel=kernel or None, into=into)
             if isinstance(w, BlockWeight):
                 into = None if arena is None else arena.take(w.nbytes)
                 return QuantLinear(w, bias, kernel=kernel or None, into=into)
@@ -332,6 +343,11 @@ class Decoder:
 #   than 4 rows (both dtypes). Query blocks are 32, 64, 128 or 256 rows, so
 #   attention_plan.padded_queries keeps every block at 4 rows or more.
 _MIN_ROWS = {torch.float32: 2, torch.bfloat16: 2}
+
+
+def _split(w) -> tuple:
+    """A fused weight's parts as the arena holds them: (q|k, v) of a QkvSplit, else (w,)."""
+    return w if isinstance(w, tuple) else (w,)
 
 
 def _packs_linears(device: torch.device, dtype: torch.dtype) -> bool:

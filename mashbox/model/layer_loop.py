@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mashbox.model import csrc
 from mashbox.model.attention_plan import AttentionPlan
 from mashbox.model.kv_cache import KVCache
-from mashbox.model.linear import BF16Linear, Linear, QuantLinear
+from mashbox.model.linear import BF16Linear, Linear, QkvSplit, QuantLinear
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
@@ -125,12 +125,15 @@ class CLayers:
         self.config, self.python, self.kernel = c, python, kernel
         entries = []
         for layer in layers:
-            ws = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            split = layer.qkv if isinstance(layer.qkv, QkvSplit) else None
+            ws = (layer.qkv if split is None else split.qk, layer.o, layer.gate_up, layer.down)
             if layer.qk_norm is not None or not all(isinstance(w, (BF16Linear, QuantLinear)) for w in ws):
-                raise ValueError("CLayers takes csrc linears (BF16Linear, QuantLinear) and no q/k norms")
+                raise ValueError("CLayers takes csrc linears (BF16Linear, QuantLinear, QkvSplit) and no q/k norms")
             layer.input_norm, layer.post_norm = layer.input_norm.contiguous(), layer.post_norm.contiguous()
             entry = dict(input_norm=layer.input_norm, post_norm=layer.post_norm, qkv_bias=layer.qkv.bias,
                          o_bias=layer.o.bias)
+            if split is not None:  # q|k in qkv, v of its own type (mb_layer's v)
+                entry["v"], entry["v_type"] = split.v.blocks, split.v.qtype
             for name, w in zip(("qkv", "o", "gate_up", "down"), ws):
                 if isinstance(w, QuantLinear):  # GGUF blocks: mb_q_linear (csrc/quant.c)
                     entry[name], entry[name + "_type"] = w.blocks, w.qtype

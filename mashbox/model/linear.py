@@ -14,6 +14,9 @@
 - QuantLinear: a GGUF weight kept in its file's quantized blocks (model/block_weight.py),
   on csrc's mb_q_linear (csrc/quant.c): the same calls, the same batch invariance, a
   fraction of the bytes per step; activations stay exact bfloat16.
+- QkvSplit: q|k|v of a GGUF whose v is in another block type than q and k (Q4_K_M: q, k
+  Q4_K, v Q6_K): two QuantLinears writing their columns of one y, instead of one weight
+  dequantized to bfloat16 (3.4x the bytes of its blocks, read every step).
 - OneDNNLinear: the weight reordered once into oneDNN's blocked layout (a CPU with
   oneDNN): in bfloat16 each output bit-identical to F.linear's.
 - TorchLinear: plain F.linear (CUDA, or a CPU without oneDNN).
@@ -149,6 +152,41 @@ class QuantLinear:
         csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x, self.bias, y, mode, self.kernel)
 
 
+class QkvSplit:
+    """q|k [(heads + kv_heads) * head_dim, in] and v [kv_heads * head_dim, in] as two
+    QuantLinears of their own block types; y's columns: q|k's, then v's. bias: the whole
+    q|k|v bias (float32 [out]) or None; each part holds its slice."""
+
+    __slots__ = ("qk", "v", "n", "k", "bias")
+
+    def __init__(self, qk: BlockWeight, v: BlockWeight, bias: Optional[torch.Tensor] = None,
+                 kernel: Optional[int] = None, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """into: where each part's blocks go (qk.nbytes, v.nbytes bytes of a WeightArena)."""
+        if qk.shape[1] != v.shape[1]:
+            raise ValueError(f"QkvSplit: q|k takes {qk.shape[1]} inputs, v {v.shape[1]}")
+        nqk = qk.shape[0]
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
+        parts = (None, None) if into is None else into
+        self.qk = QuantLinear(qk, None if self.bias is None else self.bias[:nqk], kernel, parts[0])
+        self.v = QuantLinear(v, None if self.bias is None else self.bias[nqk:], kernel, parts[1])
+        self.n, self.k = nqk + v.shape[0], qk.shape[1]
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        mode = native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16
+        self.qk._run(x, y[:, :self.qk.n], mode)
+        self.v._run(x, y[:, self.qk.n:], mode)
+        return y
+
+    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
+        if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):
+            raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {self.n}] y")
+        self.qk._run(x, y[:, :self.qk.n], native.Y_ADD_BF16)
+        self.v._run(x, y[:, self.qk.n:], native.Y_ADD_BF16)
+
+
 class OneDNNLinear:
     """A weight reordered once into oneDNN's blocked layout, and its bias."""
 
@@ -229,7 +267,7 @@ class Int4Weight:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 
-Linear = Union[BF16Linear, QuantLinear, OneDNNLinear, TorchLinear, Int8Weight, Int4Weight]
+Linear = Union[BF16Linear, QuantLinear, QkvSplit, OneDNNLinear, TorchLinear, Int8Weight, Int4Weight]
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES = True  # a switch for benchmarks: the arena asks for transparent huge pages

@@ -79,32 +79,57 @@ def test_k_quant_tensors_load_dequantized_until_their_kernel_is_built_in(tmp_pat
         assert (name in block_weight.KERNEL_TYPES) == native.q_supported(block_weight.GGML_TYPES[name])
 
 
-def test_parts_of_other_types_fuse_dense(tmp_path):
-    """q|k|v with v in another block type than q and k: the fused weight is dequantized
-    (one linear needs one type); the rest stays in blocks."""
+def _with_v_in(tmp_path, qtype, layer: int = 0):
+    """The llama Q8_0 tiny file's tensors with layer `layer`'s v_proj requantized to qtype."""
     w = loader.load(_gguf(tmp_path, "llama", Q.Q8_0), torch.bfloat16, CPU, blocks=True)
-    name = "model.layers.0.self_attn.v_proj.weight"
+    name = f"model.layers.{layer}.self_attn.v_proj.weight"
     v = w.tensors[name]
-    dense_v = v.dequantize(torch.float32, CPU).numpy()
-    raw = gguf.quants.quantize(dense_v, Q.Q4_1)
-    w.tensors[name] = block_weight.BlockWeight("Q4_1", torch.from_numpy(raw), v.shape)
+    raw = gguf.quants.quantize(v.dequantize(torch.float32, CPU).numpy(), qtype)
+    w.tensors[name] = block_weight.BlockWeight(qtype.name, torch.from_numpy(raw), v.shape)
+    return w
+
+
+def test_a_v_of_another_type_stays_in_blocks_beside_q_and_k(tmp_path):
+    """q|k|v with v in another block type than q and k (as Q4_K_M files hold it): q|k and
+    v stay blocks, two linears writing one y (QkvSplit), equal to the three parts run
+    apart; the rest stays fused."""
+    w = _with_v_in(tmp_path, Q.Q4_1)
     decoder = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf")
-    assert isinstance(decoder.layers[0].qkv, linear.BF16Linear)
+    split = decoder.layers[0].qkv
+    assert isinstance(split, linear.QkvSplit)
+    assert split.qk.qtype == int(Q.Q8_0) and split.v.qtype == int(Q.Q4_1)
     assert isinstance(decoder.layers[1].qkv, linear.QuantLinear)
     assert isinstance(decoder.layers[0].gate_up, linear.QuantLinear)
+    x = torch.randn(5, w.config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(split(x), torch.cat([split.qk(x), split.v(x)], dim=1))
+    y = torch.randn(5, split.n, generator=torch.Generator().manual_seed(4)).bfloat16()
+    split.qk.add_into(x, qk_y := y[:, :split.qk.n].contiguous())
+    split.v.add_into(x, v_y := y[:, split.qk.n:].contiguous())
+    split.add_into(x, y)
+    assert torch.equal(y, torch.cat([qk_y, v_y], dim=1))
+    # near the dense decoder of the same weights
+    w = _with_v_in(tmp_path, Q.Q4_1)
+    dense = Decoder(w.config, {k: t.dequantize(torch.bfloat16, CPU) if isinstance(t, block_weight.BlockWeight) else t
+                               for k, t in w.tensors.items()}, torch.bfloat16, CPU)
+    prompt = [3, 5, 7, 11, 13, 17]
+    got, want = _last_logits(decoder, prompt), _last_logits(dense, prompt)
+    assert (got - want).abs().max() < 0.05 * want.abs().max() + 0.05
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
-def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel):
+@pytest.mark.parametrize("v_apart", [False, True], ids=["one-type", "v-apart"])
+def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel, v_apart):
     """Decode steps on blocks run every layer in one C call (csrc/layers.c, the linears'
-    *_type): the same bits as PythonLayers' calls one by one."""
+    *_type, and mb_layer's v where v has a type of its own): the same bits as
+    PythonLayers' calls one by one."""
     path = _gguf(tmp_path, "llama", Q.Q4_1)
     decoders = []
     for layers in ("c", "python"):
-        w = loader.load(path, torch.bfloat16, CPU, blocks=True)
+        w = _with_v_in(tmp_path, Q.Q4_1) if v_apart else loader.load(path, torch.bfloat16, CPU, blocks=True)
         decoders.append(Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
                                 kernels=Kernels(kernel=kernel, attention="csrc", layers=layers)))
     assert decoders[0].kernels.layers == "c" and decoders[1].kernels.layers == "python"
+    assert isinstance(decoders[0].layers[0].qkv, linear.QkvSplit) == v_apart
     outs = []
     for d in decoders:
         cache = KVCache(d.config, slots=3, ctx=64, dtype=torch.bfloat16, device=CPU)
