@@ -50,6 +50,31 @@ def padded_queries(n: int, group: int, multiple: int) -> int:
     return padded
 
 
+def _grown(buf: torch.Tensor, need: int) -> torch.Tensor:
+    """buf, or a new buffer of max(need, 2 * its size) where it is too small; views
+    already handed out keep the old buffer alive until their plan is gone."""
+    return buf if buf.numel() >= need else torch.empty(max(need, 2 * buf.numel()), dtype=buf.dtype,
+                                                       device=buf.device)
+
+
+class _Stack:
+    """One flat buffer handed out front to back (take), from its start again after reset()."""
+
+    __slots__ = ("buf", "used")
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.buf, self.used = torch.empty(0, dtype=dtype, device=device), 0
+
+    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        self.buf = _grown(self.buf, self.used + numel)
+        view = self.buf[self.used:self.used + numel].view(shape)
+        self.used += numel
+        return view
+
+
 class MaskArena:
     """The memory of the SDPA path's additive masks, made once per decoder: a flat buffer in
     the model dtype, bool and int64 scratch, the key positions 0, 1, 2, ..., and a second
@@ -59,21 +84,14 @@ class MaskArena:
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype, self.device = dtype, device
-        self._add = torch.empty(0, dtype=dtype, device=device)
+        self._add, self._q = _Stack(dtype, device), _Stack(dtype, device)  # masks, padded queries
+        self._ints = _Stack(torch.int64, device)
         self._bad = torch.empty(0, dtype=torch.bool, device=device)
         self._side = torch.empty(0, dtype=torch.bool, device=device)
-        self._ints = torch.empty(0, dtype=torch.int64, device=device)
         self._pos = torch.arange(0, dtype=torch.int64, device=device)
-        self._q = torch.empty(0, dtype=dtype, device=device)
-        self._used = self._ints_used = self._q_used = 0
 
     def reset(self) -> None:
-        self._used = self._ints_used = self._q_used = 0
-
-    def _grown(self, buf: torch.Tensor, need: int) -> torch.Tensor:
-        # views already handed out keep the old buffer alive until their plan is gone
-        return buf if buf.numel() >= need else torch.empty(max(need, 2 * buf.numel()), dtype=buf.dtype,
-                                                           device=buf.device)
+        self._add.used = self._q.used = self._ints.used = 0
 
     def positions(self, lo: int, n: int) -> torch.Tensor:
         """[n] int64 view: lo, lo + 1, ..."""
@@ -83,20 +101,11 @@ class MaskArena:
 
     def ints(self, n: int) -> torch.Tensor:
         """[n] int64 view of scratch, this plan's own until reset()."""
-        self._ints = self._grown(self._ints, self._ints_used + n)
-        view = self._ints[self._ints_used:self._ints_used + n]
-        self._ints_used += n
-        return view
+        return self._ints.take((n,))
 
     def zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed model-dtype view of `shape`, this plan's own until reset()."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        self._q = self._grown(self._q, self._q_used + numel)
-        view = self._q[self._q_used:self._q_used + numel].view(shape)
-        self._q_used += numel
-        return view.zero_()
+        """A zeroed model-dtype view of `shape` (padded queries), this plan's own until reset()."""
+        return self._q.take(shape).zero_()
 
     def values(self, values: list[int]) -> torch.Tensor:
         """ints(len(values)) holding values."""
@@ -113,21 +122,16 @@ class MaskArena:
         key k0 + j (k0 + j <= qpos[i], and > qpos[i] - window with a window), else -inf;
         the [len(qpos), keys] rule broadcast over shape (viewed as bad_view first)."""
         rows = int(qpos.shape[0])
-        self._bad = self._grown(self._bad, rows * keys)
+        self._bad = _grown(self._bad, rows * keys)
         bad = self._bad[:rows * keys].view(rows, keys)  # scratch: used up before the next fill
         kpos = self.positions(k0, keys).unsqueeze(0)  # [1, keys]
         torch.gt(kpos, qpos.unsqueeze(1), out=bad)  # keys past the query
         if window is not None:
-            self._side = self._grown(self._side, rows * keys)
+            self._side = _grown(self._side, rows * keys)
             side = self._side[:rows * keys].view(rows, keys)
             torch.le(kpos, torch.sub(qpos, window, out=self.ints(rows)).unsqueeze(1), out=side)
             bad.logical_or_(side)
-        numel = 1
-        for d in shape:
-            numel *= d
-        self._add = self._grown(self._add, self._used + numel)
-        out = self._add[self._used:self._used + numel].view(shape)
-        self._used += numel
+        out = self._add.take(shape)
         out.zero_().masked_fill_(bad if bad_view is None else bad.view(bad_view), float("-inf"))
         return out
 

@@ -378,7 +378,7 @@ def test_attention_index_and_masks_are_made_once(tmp_path, dtype, kernels):
 
     def buffers():
         m = decoder._masks
-        return [decoder._row_index._buf.data_ptr()] + [b.data_ptr() for b in (m._add, m._bad, m._side, m._ints, m._pos, m._q)]
+        return [decoder._row_index._buf.data_ptr()] + [b.data_ptr() for b in (m._add.buf, m._bad, m._side, m._ints.buf, m._pos, m._q.buf)]
 
     for rows in steps:
         decoder.forward(Batch.build(rows, decode=decode(rows)), cache)
@@ -387,4 +387,4 @@ def test_attention_index_and_masks_are_made_once(tmp_path, dtype, kernels):
         decoder.forward(Batch.build(rows, decode=decode(rows)), cache)
         assert buffers() == made, rows
     # on SDPA the one-token rows' padded queries are the arena's too
-    assert (decoder._masks._q.numel() > 0) == (kernels == KERNELS[2][1])
+    assert (decoder._masks._q.buf.numel() > 0) == (kernels == KERNELS[2][1])
