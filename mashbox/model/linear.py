@@ -46,6 +46,12 @@ def bf16_kernel_available() -> bool:
     return native.NATIVE and native.bf16_kernel() == native.KERNEL_AVX512BF16
 
 
+def _check_residual(x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+    """add_into's y: contiguous bfloat16 [M, n] for x [M, in]."""
+    if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], n):
+        raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {n}] y")
+
+
 class BF16Linear:
     """A [out, in] bfloat16 weight (and float32 bias) packed once for mb_bf16_linear."""
 
@@ -97,8 +103,7 @@ class BF16Linear:
 
     def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
-        if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):
-            raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {self.n}] y")
+        _check_residual(x, y, self.n)
         self._run(x, y, native.Y_ADD_BF16)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int) -> None:
@@ -142,8 +147,7 @@ class QuantLinear:
 
     def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
-        if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):
-            raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {self.n}] y")
+        _check_residual(x, y, self.n)
         self._run(x, y, native.Y_ADD_BF16)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int) -> None:
@@ -181,8 +185,7 @@ class QkvSplit:
 
     def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
-        if y.dtype != torch.bfloat16 or not y.is_contiguous() or tuple(y.shape) != (x.shape[0], self.n):
-            raise ValueError(f"add_into needs a contiguous bfloat16 [{x.shape[0]}, {self.n}] y")
+        _check_residual(x, y, self.n)
         self.qk._run(x, y[:, :self.qk.n], native.Y_ADD_BF16)
         self.v._run(x, y[:, self.qk.n:], native.Y_ADD_BF16)
 
