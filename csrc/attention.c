@@ -257,11 +257,7 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
 static void mb_att_worker(void *data) {
     struct mb_att_job *j = (struct mb_att_job *)data;
     for (;;) {
-#ifdef MB_ATOMICS
-        int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-#else
-        int64_t item = j->next++;
-#endif
+        int64_t item = mb_take_one(&j->next);
         if (item >= j->items)
             return;
         j->run(j, item);
@@ -736,11 +732,7 @@ static MB_PF_TARGET void mb_pf_item_avx512(const struct mb_pf_job *j, int32_t r,
 static void mb_pf_worker(void *data) {
     struct mb_pf_job *j = (struct mb_pf_job *)data;
     for (;;) {
-#ifdef MB_ATOMICS
-        int64_t item = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
-#else
-        int64_t item = j->next++;
-#endif
+        int64_t item = mb_take_one(&j->next);
         if (item >= j->items)
             return;
         int32_t r = 0, runs;

@@ -46,6 +46,16 @@ static inline int64_t mb_take_guided(int64_t *next, int64_t items, int64_t threa
     return take;
 }
 
+/* The next work item of a handout one item at a time: *next before its increment (atomic
+ * across the pool's threads where MB_ATOMICS; the caller stops at its item count). */
+static inline int64_t mb_take_one(int64_t *next) {
+#ifdef MB_ATOMICS
+    return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+#else
+    return (*next)++;
+#endif
+}
+
 static inline float mb_bits_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);
