@@ -92,12 +92,17 @@ class DecodeRows:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
         """out[rows[i]] = attention of q[rows[i]] over its slot's keys, for every row."""
-        T, H, D = q.shape
-        if q.stride(2) != 1 or q.stride(1) != D:
-            q = q.contiguous()
-        # heads and dims packed: q's rows as [T, heads * head_dim], the same addresses
-        csrc.attention(q.as_strided((T, H * D), (q.stride(0), 1)), self.rows, self.slots, self.ends, H, int(k_cache.shape[1]), self.window, self.scale,
+        csrc.attention(_heads_packed(q), self.rows, self.slots, self.ends, q.shape[1], int(k_cache.shape[1]), self.window, self.scale,
                        k_cache, v_cache, out, self.kernel)
+
+
+def _heads_packed(q: torch.Tensor) -> torch.Tensor:
+    """q [T, heads, head_dim] as [T, heads * head_dim] rows: the same addresses where each
+    row's heads and dims are packed, else a packed copy."""
+    T, H, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D:
+        q = q.contiguous()
+    return q.as_strided((T, H * D), (q.stride(0), 1))
 
 
 class PrefillRows:
@@ -119,9 +124,6 @@ class PrefillRows:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> None:
         """out[firsts[r] + i] = causal attention of that query over its slot's keys."""
-        T, H, D = q.shape
-        if q.stride(2) != 1 or q.stride(1) != D:
-            q = q.contiguous()
-        csrc.prefill_attention(q.as_strided((T, H * D), (q.stride(0), 1)), self.firsts, self.slots, self.starts,
-                               self.lens, H, int(k_cache.shape[1]), self.window, self.scale, k_cache, v_cache,
+        csrc.prefill_attention(_heads_packed(q), self.firsts, self.slots, self.starts,
+                               self.lens, q.shape[1], int(k_cache.shape[1]), self.window, self.scale, k_cache, v_cache,
                                out, self.kernel)
