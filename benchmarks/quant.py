@@ -127,7 +127,7 @@ def measure(path: str, weights: str, tokens: int, prefill: int, threads: int, re
                 tensor_bytes=tensor_bytes, load=max(loads))
 
 
-def kernels(layers: int, rows: int) -> None:
+def kernels(layers: int, rows: int, formats: str = "") -> None:
     """--kernels: see the module's docstring."""
     import numpy as np
     import torch
@@ -157,7 +157,8 @@ def kernels(layers: int, rows: int) -> None:
     dense.clear()
     print(f"kernel bf16 m={rows}: {layers} layers {t_dense * 1e3:.1f} ms, {dense_bytes / 1e6:.0f} MB, "
           f"{dense_bytes / t_dense / 1e9:.1f} GB/s | load {os.getloadavg()[0]:.1f}", flush=True)
-    for qtype in native.Q_LEGACY:
+    wanted = {getattr(native, f) for f in formats.split(",")} if formats else set(native.Q_LEGACY)
+    for qtype in [t for t in native.Q_LEGACY if t in wanted]:
         nbytes, m_at = native_ref.Q_FORMATS[qtype]
         ws = []
         for n, k in shapes:
@@ -207,10 +208,11 @@ def main() -> int:
     ap.add_argument("--kernels", action="store_true", help="the legacy block kernels alone, one thread, out of cache")
     ap.add_argument("--layers", type=int, default=4, help="--kernels: layers of the 1.7B shape per step")
     ap.add_argument("--rows", type=int, default=1, help="--kernels: rows (batch) per call")
+    ap.add_argument("--formats", default="", help="--kernels: formats to time, comma-separated (default: all legacy)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: one file, a JSON line out
     args = ap.parse_args()
     if args.kernels:
-        kernels(args.layers, args.rows)
+        kernels(args.layers, args.rows, args.formats)
         return 0
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.threads,

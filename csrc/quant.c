@@ -15,26 +15,31 @@
  * element e is bit e of qh. Call q[i] the block's small integer (the part d multiplies):
  * it is exact in bfloat16.
  *
- * The rule, per output (row r of x, output c), 16 float32 lanes acc[l] = 0, then for
- * every block b in order (x[i] the block's inputs, bfloat16 denormals read as zero):
- *     t[l] = (x[2l+1] * q[2l+1]) + x[2l] * q[2l]     (vdpbf16ps from zero: exact
- *                                                      products, one rounded add)
- *     acc[l] = fma(t[l], d, acc[l])                   (one rounding)
- *     formats with m: s[l] = x[2l+1] + x[2l];  acc[l] = fma(s[l], m, acc[l])
- * (sums inside t and s that come out denormal are zero, as vdpbf16ps makes them); then
- * the lanes are summed as a tree, lane i + lane i+8, then i + i+4, i + i+2, 0 + 1, and
- * bias added; y as mb_bf16_linear writes it (y modes). mashbox/native_ref.py's q_linear
- * states the same rule in numpy; the portable and AVX512-BF16 kernels give the same bits.
- * A row's result depends on its own x row, w row, bias (and y) only: batch invariant.
+ * The rule, per output (row r of x, output c): 4 float32 lanes acc[l] = 0, then for
+ * every block b in order (x[i] the block's inputs, bfloat16 denormals read as zero), lane
+ * l takes the block's pairs p = 4s + l, s = 0..3, as four vdpbf16ps steps from zero:
+ *     t = 0;  t = (t + x[2p+1] * q[2p+1]) + x[2p] * q[2p]    (exact products, each add
+ *                                                           rounded, denormal sums zero)
+ *     acc[l] = fma(t, d, acc[l])                             (one rounding)
+ *     formats with m: S = 0;  S = (S + x[2p+1]) + x[2p];  acc[l] = fma(S, m, acc[l])
+ * then out = (acc[0] + acc[2]) + (acc[1] + acc[3]), bias added; y as mb_bf16_linear
+ * writes it (y modes). mashbox/native_ref.py's q_linear states the same rule in numpy;
+ * the portable and AVX512-BF16 kernels give the same bits. A row's result depends on its
+ * own x row, w row, bias (and y) only: batch invariant.
+ *
+ * Why four lanes of four steps: one zmm holds four outputs' lanes, so a block costs four
+ * vdpbf16ps and one fma per four outputs and row (the old 16 lanes of one step paid an
+ * fma per vdpbf16ps: half the dense kernel's speed at prefill), and the x vector of a
+ * step (8 inputs) is one 128-bit broadcast shared by all outputs. The four outputs'
+ * blocks are widened by a 4 x 4 transpose of 8-byte pieces (mb_q_widen4).
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
- * (guided runs). Inside an item, two outputs at a time pass over all its rows in groups
- * of 8 (eight outputs for one row, four for two: they share each x load and pair sum), so the
- * weights come from memory once per item and the next row group finds them in L1: a
- * decode step of up to MB_Q_ROWS rows streams the weights once. Each tile prefetches the
- * next tile's rows (NO rows on) as it goes, so the misses overlap the widening; for one
- * row the widening, not the bytes, is still the larger cost (README, Quantized weights:
- * benchmarks/quant.py --kernels).
+ * (guided runs). Up to MB_Q_DIRECT rows widen each block in registers and use it for all
+ * their rows at once (a decode step streams the weights once; each tile prefetches the
+ * next tile's rows). More rows (prefill): the item widens its 16 outputs' blocks, MB_Q_KC
+ * at a time, into a per-call stack scratch (L1 sized) and sweeps all its rows over it,
+ * the accumulators parked between chunks in float32 (exact): the same arithmetic, in the
+ * same order per output, so the bits do not depend on the path.
  */
 #include "mashbox.h"
 #include "bf16.h"
@@ -45,7 +50,9 @@
 #define MB_Q_BLOCK 32
 #define MB_Q_OUTS 16  /* outputs per work item */
 #define MB_Q_ROWS 64  /* rows per work item: their x stays in L2 */
-#define MB_Q_MR 8     /* rows per micro-tile */
+#define MB_Q_LANES 4  /* float32 lanes per output */
+#define MB_Q_STEPS 4  /* vdpbf16ps steps per lane and block */
+#define MB_Q_KC 8     /* blocks per widened chunk (rows > 1): 10-12 KB of scratch, in L1 */
 
 struct mb_q_format {
     int32_t bytes;  /* per block of 32 */
@@ -107,14 +114,6 @@ static void mb_q_block(int32_t type, const uint8_t *blk, int8_t *q, float *d, fl
     }
 }
 
-/* The lanes' tree: i + i+8, i + i+4, i + i+2, 0 + 1. */
-static float mb_q_tree(float *a) {
-    for (int w = 8; w >= 1; w /= 2)
-        for (int i = 0; i < w; i++)
-            a[i] = a[i] + a[i + w];
-    return a[0];
-}
-
 struct mb_q_job {
     int32_t type;
     struct mb_q_format fmt;
@@ -155,21 +154,26 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
         const uint8_t *wr = j->w + (size_t)c * j->row_bytes;
         for (int32_t r = r0; r < r0 + rows; r++) {
             const uint16_t *x = j->x + (size_t)r * j->ldx;
-            float acc[16] = {0};
+            float acc[MB_Q_LANES] = {0};
             for (int32_t b = 0; b < blocks; b++) {
                 int8_t q[32];
                 float d, m;
                 mb_q_block(j->type, wr + (size_t)b * j->fmt.bytes, q, &d, &m);
                 const uint16_t *xb = x + (size_t)b * MB_Q_BLOCK;
-                for (int l = 0; l < 16; l++) {
-                    float x1 = mb_flush(mb_bf16_f32(xb[2 * l + 1])), x0 = mb_flush(mb_bf16_f32(xb[2 * l]));
-                    float t = mb_flush(mb_flush(x1 * (float)q[2 * l + 1]) + x0 * (float)q[2 * l]);
+                for (int l = 0; l < MB_Q_LANES; l++) {
+                    float t = 0.0f, s = 0.0f;
+                    for (int st = 0; st < MB_Q_STEPS; st++) {
+                        int p = MB_Q_LANES * st + l;
+                        float x1 = mb_flush(mb_bf16_f32(xb[2 * p + 1])), x0 = mb_flush(mb_bf16_f32(xb[2 * p]));
+                        t = mb_flush(mb_flush(t + x1 * (float)q[2 * p + 1]) + x0 * (float)q[2 * p]);
+                        s = mb_flush(mb_flush(s + x1) + x0);
+                    }
                     acc[l] = fmaf(t, d, acc[l]);
                     if (j->fmt.has_m)
-                        acc[l] = fmaf(mb_flush(x1 + x0), m, acc[l]);
+                        acc[l] = fmaf(s, m, acc[l]);
                 }
             }
-            mb_q_store(j, r, c, mb_q_tree(acc));
+            mb_q_store(j, r, c, (acc[0] + acc[2]) + (acc[1] + acc[3]));
         }
     }
 }
@@ -181,154 +185,227 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
 #include <immintrin.h>
 
 #define MB_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+#define MB_Q_INLINE static inline __attribute__((always_inline)) MB_Q_TARGET
 
-struct mb_q_tables {
-    __m512i lo, hi; /* bfloat16 of each 5-bit index's integer (hi: with bit 4 set) */
-};
-
-/* bfloat16 bits of a small integer v (|v| <= 128): exact */
-static uint16_t mb_q_bf16_int(int v) { return (uint16_t)(mb_f32_bits((float)v) >> 16); }
-
-static MB_Q_TARGET void mb_q_make_tables(int32_t type, struct mb_q_tables *t) {
-    uint16_t lo[32], hi[32];
-    int off = type == MB_GGML_Q4_0 ? 8 : type == MB_GGML_Q5_0 ? 16 : 0;
-    for (int i = 0; i < 32; i++) { /* the index's bit 4 is not the value's: only its low 4 bits are */
-        lo[i] = mb_q_bf16_int((i & 15) - off);
-        hi[i] = mb_q_bf16_int((i & 15) + 16 - off);
-    }
-    t->lo = _mm512_loadu_si512(lo);
-    t->hi = _mm512_loadu_si512(hi);
-}
-
-/* One block's 32 integers as bfloat16 [32], in element order. */
-static inline __attribute__((always_inline)) MB_Q_TARGET __m512bh
-mb_q_widen(int32_t type, const uint8_t *blk, const struct mb_q_tables *tb) {
-    if (type == MB_GGML_Q8_0) {
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
-        return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
-    }
+/* One block's 32 small integers (what d multiplies) as int8, in element order. */
+MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
+    if (type == MB_GGML_Q8_0)
+        return _mm256_loadu_si256((const __m256i *)(blk + 2));
     int qs_at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
-    __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + qs_at)));
-    __m512i words = _mm512_cvtepu8_epi16(both); /* bytes 0..15 twice */
-    const __m512i shifts = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
-                                            0x0004000400040004LL, 0, 0, 0, 0);
-    __m512i idx = _mm512_srlv_epi16(words, shifts); /* low 4 bits: element e's nibble */
-    __m512i v = _mm512_permutexvar_epi16(idx, tb->lo);
-    if (type == MB_GGML_Q5_0 || type == MB_GGML_Q5_1) {
+    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + qs_at));
+    __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15));
+    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); /* elements 0..15, 16..31 */
+    if (type == MB_GGML_Q5_0 || type == MB_GGML_Q5_1) {                   /* bit e of qh: element e's 16 */
         uint32_t qh;
         memcpy(&qh, blk + (type == MB_GGML_Q5_0 ? 2 : 4), 4);
-        v = _mm512_mask_permutexvar_epi16(v, (__mmask32)qh, idx, tb->hi);
+        v = _mm256_mask_add_epi8(v, (__mmask32)qh, v, _mm256_set1_epi8(16));
     }
-    return (__m512bh)v;
+    if (type == MB_GGML_Q4_0)
+        v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+    else if (type == MB_GGML_Q5_0)
+        v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    return v;
 }
 
-static inline __attribute__((always_inline)) MB_Q_TARGET float mb_q_tree_avx(__m512 a) {
-    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-    return _mm_cvtss_f32(s1);
+/* 32 int8 -> 32 bfloat16 (exact), in order. */
+MB_Q_INLINE __m512bh mb_q_bf16(__m256i v) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
 }
 
-/* NO outputs (1, 2, 4 for MR <= 2, 8 for MR 1) x MR rows (1..8); type, NO, MR constants in each instantiation. */
-static inline __attribute__((always_inline)) MB_Q_TARGET void
-mb_q_tile(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0, const int32_t type,
-          const int NO, const int MR) {
+/* Four outputs' block b (blk[o]): w[s] holds, in 128-bit lane o, output o's elements
+ * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times. */
+MB_Q_INLINE void mb_q_widen4(const int32_t type, const uint8_t *const blk[4], __m512bh w[4], __m512 *d, __m512 *m) {
+    __m256i a = mb_q_ints(type, blk[0]), b = mb_q_ints(type, blk[1]);
+    __m256i c = mb_q_ints(type, blk[2]), e = mb_q_ints(type, blk[3]);
+    __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
+    __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
+    w[0] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
+    w[1] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
+    w[2] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
+    w[3] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
+    const __m512i four = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    if (type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1) { /* d and m side by side: one conversion */
+        int32_t dm[4];
+        for (int o = 0; o < 4; o++)
+            memcpy(&dm[o], blk[o], 4);
+        /* from registers, not a store of four and a load (a store-forwarding stall) */
+        __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_setr_epi32(dm[0], dm[1], dm[2], dm[3])));
+        *d = _mm512_permutexvar_ps(_mm512_add_epi32(four, four), f);
+        *m = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_add_epi32(four, four), _mm512_set1_epi32(1)), f);
+    } else {
+        uint16_t h[4];
+        for (int o = 0; o < 4; o++)
+            memcpy(&h[o], blk[o], 2);
+        __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2],
+                                                                      (short)h[3], 0, 0, 0, 0)));
+        *d = _mm512_permutexvar_ps(four, f);
+        *m = _mm512_setzero_ps();
+    }
+}
+
+/* The four lanes of each of four outputs: (l0 + l2) + (l1 + l3), stored. */
+MB_Q_INLINE void mb_q_store4(const struct mb_q_job *j, int32_t r, int32_t c, int32_t outs, __m512 acc) {
+    float a[16];
+    _mm512_storeu_ps(a, acc);
+    for (int o = 0; o < 4 && o < outs; o++)
+        mb_q_store(j, r, c + o, (a[4 * o] + a[4 * o + 2]) + (a[4 * o + 1] + a[4 * o + 3]));
+}
+
+/* The item's outputs' row pointers by group of four; past the item's outputs, its last
+ * row again (computed, never stored). */
+MB_Q_INLINE void mb_q_rows(const struct mb_q_job *j, int32_t c0, int32_t outs, const uint8_t *wr[MB_Q_OUTS]) {
+    for (int o = 0; o < MB_Q_OUTS; o++)
+        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+}
+
+/* One row, up to 16 outputs: each group's block is widened and used at once; the next
+ * item's rows are prefetched as this one goes (the hardware prefetcher alone leaves the
+ * widening and the misses one after the other). */
+MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, int32_t r0, int32_t c0, int32_t outs, const int32_t type) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
-    int32_t blocks = j->k / MB_Q_BLOCK;
-    __m512 acc[8][MB_Q_MR];
-    for (int o = 0; o < NO; o++)
-        for (int r = 0; r < MR; r++)
-            acc[o][r] = _mm512_setzero_ps();
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-    const uint8_t *w0 = j->w + (size_t)c0 * j->row_bytes;
-    const uint16_t *x = j->x + (size_t)r0 * j->ldx;
-    /* The next tile's rows (NO rows on) are fetched while this one computes: the hardware
-     * prefetcher alone leaves the widening and the misses one after the other (one
-     * thread, out of cache: Q4_0 7 -> 10-11 GB/s). One prefetch per 64 bytes or less. */
-    const int32_t ahead = c0 + 2 * NO <= j->n;
-    const int64_t pf = (int64_t)NO * j->row_bytes;
+    const int32_t blocks = j->k / MB_Q_BLOCK, groups = (outs + 3) / 4;
+    const uint8_t *wr[MB_Q_OUTS];
+    mb_q_rows(j, c0, outs, wr);
+    const int32_t ahead = c0 + 2 * MB_Q_OUTS <= j->n;
+    const int64_t pf = (int64_t)MB_Q_OUTS * j->row_bytes;
     const int every = 64 / bytes;
+    const uint16_t *x = j->x + (size_t)r0 * j->ldx;
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int32_t b = 0; b < blocks; b++) {
-        __m512bh wv[8];
-        __m512 dv[8], mv[8];
-        for (int o = 0; o < NO; o++) {
-            const uint8_t *blk = w0 + (size_t)o * j->row_bytes + (size_t)b * bytes;
-            if (ahead && b % every == 0)
-                _mm_prefetch((const char *)(blk + pf), _MM_HINT_T0);
-            wv[o] = mb_q_widen(type, blk, tb);
-            if (has_m) { /* d and m side by side: one conversion */
-                int32_t dm;
-                memcpy(&dm, blk, 4);
-                __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-                dv[o] = _mm512_broadcastss_ps(f);
-                mv[o] = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
-            } else {
-                uint16_t h;
-                memcpy(&h, blk, 2);
-                dv[o] = _mm512_set1_ps(_cvtsh_ss(h));
+        const uint16_t *xb = x + (size_t)b * MB_Q_BLOCK;
+        __m512bh xs[4];
+        for (int s = 0; s < 4; s++)
+            xs[s] = (__m512bh)_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xb + 8 * s)));
+        __m512 sx = _mm512_setzero_ps();
+        if (has_m)
+            for (int s = 0; s < 4; s++)
+                sx = _mm512_dpbf16_ps(sx, xs[s], ones);
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *blk[4];
+            for (int o = 0; o < 4; o++) {
+                blk[o] = wr[4 * g + o] + (size_t)b * bytes;
+                if (ahead && b % every == 0)
+                    _mm_prefetch((const char *)(blk[o] + pf), _MM_HINT_T0);
             }
-        }
-        for (int r = 0; r < MR; r++) {
-            __m512bh xb = (__m512bh)_mm512_loadu_si512(x + (size_t)r * j->ldx + (size_t)b * MB_Q_BLOCK);
-            __m512 s = _mm512_setzero_ps();
+            __m512bh w[4];
+            __m512 d, m;
+            mb_q_widen4(type, blk, w, &d, &m);
+            __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xs[0], w[0]);
+            t = _mm512_dpbf16_ps(t, xs[1], w[1]);
+            t = _mm512_dpbf16_ps(t, xs[2], w[2]);
+            t = _mm512_dpbf16_ps(t, xs[3], w[3]);
+            acc[g] = _mm512_fmadd_ps(t, d, acc[g]);
             if (has_m)
-                s = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, ones);
-            for (int o = 0; o < NO; o++) {
-                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xb, wv[o]);
-                acc[o][r] = _mm512_fmadd_ps(t, dv[o], acc[o][r]);
-                if (has_m)
-                    acc[o][r] = _mm512_fmadd_ps(s, mv[o], acc[o][r]);
-            }
+                acc[g] = _mm512_fmadd_ps(sx, m, acc[g]);
         }
     }
-    for (int o = 0; o < NO; o++)
-        for (int r = 0; r < MR; r++)
-            mb_q_store(j, r0 + r, c0 + o, mb_q_tree_avx(acc[o][r]));
+    for (int g = 0; g < groups; g++)
+        mb_q_store4(j, r0, c0 + 4 * g, outs - 4 * g, acc[g]);
 }
 
-#define MB_Q_ROWS_CASES(T, NO)                                                  \
-    switch (mr) {                                                               \
-    case 8: mb_q_tile(j, &tb, r, c, T, NO, 8); break;                           \
-    case 7: mb_q_tile(j, &tb, r, c, T, NO, 7); break;                           \
-    case 6: mb_q_tile(j, &tb, r, c, T, NO, 6); break;                           \
-    case 5: mb_q_tile(j, &tb, r, c, T, NO, 5); break;                           \
-    case 4: mb_q_tile(j, &tb, r, c, T, NO, 4); break;                           \
-    case 3: mb_q_tile(j, &tb, r, c, T, NO, 3); break;                           \
-    case 2: mb_q_tile(j, &tb, r, c, T, NO, 2); break;                           \
-    default: mb_q_tile(j, &tb, r, c, T, NO, 1); break;                          \
+/* The scratch of one chunk of MB_Q_KC blocks: per block, the 4 groups' 4 step vectors,
+ * then d and m per group. */
+struct mb_q_chunk {
+    __m512bh w[MB_Q_KC][4][4];
+    __m512 d[MB_Q_KC][4], m[MB_Q_KC][4];
+};
+
+/* MR rows of x against a widened chunk, all 16 outputs (4 groups); acc parked in park
+ * (float32, exact) between chunks. */
+MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint16_t *x, int64_t ldx,
+                            __m512 *park, int first, const int has_m, const int MR) {
+    __m512 acc[3][4];
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+    for (int r = 0; r < MR; r++)
+        for (int g = 0; g < 4; g++)
+            acc[r][g] = first ? _mm512_setzero_ps() : park[4 * r + g];
+    for (int32_t b = 0; b < kb; b++) {
+        __m512 t[3][4], sx[3];
+        for (int r = 0; r < MR; r++) {
+            sx[r] = _mm512_setzero_ps();
+            for (int g = 0; g < 4; g++)
+                t[r][g] = _mm512_setzero_ps();
+        }
+        for (int s = 0; s < 4; s++) {
+            __m512bh xs[3];
+            for (int r = 0; r < MR; r++) {
+                xs[r] = (__m512bh)_mm512_broadcast_i32x4(
+                    _mm_loadu_si128((const __m128i *)(x + (size_t)r * ldx + (size_t)b * MB_Q_BLOCK + 8 * s)));
+                if (has_m)
+                    sx[r] = _mm512_dpbf16_ps(sx[r], xs[r], ones);
+            }
+            for (int g = 0; g < 4; g++) {
+                __m512bh w = sc->w[b][g][s];
+                for (int r = 0; r < MR; r++)
+                    t[r][g] = _mm512_dpbf16_ps(t[r][g], xs[r], w);
+            }
+        }
+        for (int g = 0; g < 4; g++) {
+            __m512 d = sc->d[b][g];
+            for (int r = 0; r < MR; r++)
+                acc[r][g] = _mm512_fmadd_ps(t[r][g], d, acc[r][g]);
+            if (has_m) {
+                __m512 m = sc->m[b][g];
+                for (int r = 0; r < MR; r++)
+                    acc[r][g] = _mm512_fmadd_ps(sx[r], m, acc[r][g]);
+            }
+        }
     }
+    for (int r = 0; r < MR; r++)
+        for (int g = 0; g < 4; g++)
+            park[4 * r + g] = acc[r][g];
+}
+
+/* Two or more rows: chunk by chunk of blocks, widen the item's 16 outputs once into the
+ * scratch, then sweep every row over it (MR rows at a time). */
+MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
+                                const int32_t type) {
+    const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
+    const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
+                      : type == MB_GGML_Q5_0 ? 22 : 24;
+    const int MR = has_m ? 2 : 3;
+    const int32_t blocks = j->k / MB_Q_BLOCK;
+    const uint8_t *wr[MB_Q_OUTS];
+    mb_q_rows(j, c0, outs, wr);
+    struct mb_q_chunk sc __attribute__((aligned(64)));
+    __m512 park[MB_Q_ROWS * 4] __attribute__((aligned(64)));
+    for (int32_t b0 = 0; b0 < blocks; b0 += MB_Q_KC) {
+        int32_t kb = blocks - b0 < MB_Q_KC ? blocks - b0 : MB_Q_KC;
+        for (int32_t b = 0; b < kb; b++)
+            for (int g = 0; g < 4; g++) {
+                const uint8_t *blk[4];
+                for (int o = 0; o < 4; o++)
+                    blk[o] = wr[4 * g + o] + (size_t)(b0 + b) * bytes;
+                mb_q_widen4(type, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
+            }
+        const uint16_t *x = j->x + (size_t)r0 * j->ldx + (size_t)b0 * MB_Q_BLOCK;
+        int32_t r = 0;
+        for (; r + MR <= rows; r += MR) {
+            if (has_m)
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, 2);
+            else
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, 3);
+        }
+        for (; r < rows; r++)
+            mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, has_m, 1);
+    }
+    for (int32_t r = 0; r < rows; r++)
+        for (int g = 0; g < 4 && 4 * g < outs; g++)
+            mb_q_store4(j, r0 + r, c0 + 4 * g, outs - 4 * g, park[4 * r + g]);
+}
 
 #define MB_Q_RUN(NAME, T)                                                                        \
     static MB_Q_TARGET void NAME(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, \
                                  int32_t outs) {                                                 \
-        struct mb_q_tables tb;                                                                   \
-        mb_q_make_tables(T, &tb);                                                                \
-        int32_t c = c0;                                                                          \
-        if (rows == 1) /* one row: eight outputs share each x load and keep 8 streams going */  \
-            for (; c + 8 <= c0 + outs; c += 8)                                                   \
-                mb_q_tile(j, &tb, r0, c, T, 8, 1);                                               \
-        if (rows <= 2) /* decode of one or two rows: four outputs share each x load */          \
-            for (; c + 4 <= c0 + outs; c += 4) {                                                 \
-                if (rows == 2)                                                                   \
-                    mb_q_tile(j, &tb, r0, c, T, 4, 2);                                           \
-                else                                                                             \
-                    mb_q_tile(j, &tb, r0, c, T, 4, 1);                                           \
-            }                                                                                    \
-        for (; c < c0 + outs; c += 2) {                                                          \
-            int two = c + 1 < c0 + outs;                                                         \
-            for (int32_t r = r0; r < r0 + rows; r += MB_Q_MR) {                                  \
-                int32_t mr = r0 + rows - r < MB_Q_MR ? r0 + rows - r : MB_Q_MR;                  \
-                if (two) {                                                                       \
-                    MB_Q_ROWS_CASES(T, 2)                                                        \
-                } else {                                                                         \
-                    MB_Q_ROWS_CASES(T, 1)                                                        \
-                }                                                                                \
-            }                                                                                    \
-        }                                                                                        \
+        if (rows == 1)                                                                           \
+            mb_q_one_row(j, r0, c0, outs, T);                                                    \
+        else                                                                                     \
+            mb_q_many_rows(j, r0, rows, c0, outs, T);                                            \
     }
 
 MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0)

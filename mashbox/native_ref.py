@@ -619,7 +619,8 @@ def bf16_decode_layers(layers, heads: int, kv_heads: int, eps: float, x: np.ndar
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q_BLOCK = 32
 Q_FORMATS = {Q8_0: (34, None), Q4_0: (18, None), Q4_1: (20, 2), Q5_0: (22, None), Q5_1: (24, 2)}
-Q_LANES = 16
+Q_LANES = 4  # float32 lanes per output (q_linear)
+Q_STEPS = 4  # vdpbf16ps steps per lane and block
 
 
 def q_row_bytes(qtype: int, k: int) -> int:
@@ -666,24 +667,27 @@ def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
              y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype -> y as
-    bf16_linear's. Per output, 16 float32 lanes from 0, block after block (x flushed):
-        t[l] = flush(flush(x[2l+1] q[2l+1]) + x[2l] q[2l]);  acc[l] = fma(t[l], d, acc[l])
-        with a min:  s[l] = flush(x[2l+1] + x[2l]);  acc[l] = fma(s[l], m, acc[l])
-    then lanes summed as a tree (i + i+8, i + i+4, i + i+2, 0 + 1), bias added."""
-    q, d, mn = q_parts(qtype, w)  # [n, B, 32], [n, B]
-    xf = _flush(bf16_to_f32(x)).reshape(x.shape[0], 1, -1, Q_LANES, 2)  # [m, 1, B, 16, (even, odd)]
-    qp = q.reshape(1, q.shape[0], q.shape[1], Q_LANES, 2)  # [1, n, B, 16, 2]
-    acc = np.zeros((x.shape[0], q.shape[0], Q_LANES), dtype=np.float32)  # [m, n, 16]
+    bf16_linear's. Per output, 4 float32 lanes from 0, block after block (x flushed);
+    lane l of a block takes the pairs p = 4s + l, s = 0..3, in order (vdpbf16ps's steps):
+        t = 0;  t = flush(flush(t + x[2p+1] q[2p+1]) + x[2p] q[2p]);  acc[l] = fma(t, d, acc[l])
+        with a min:  S = 0;  S = flush(flush(S + x[2p+1]) + x[2p]);  acc[l] = fma(S, m, acc[l])
+    then (acc[0] + acc[2]) + (acc[1] + acc[3]), bias added."""
+    q, d, mn = q_parts(qtype, w)  # [n, B, 32]; element 8s + 2l + e is pair 4s + l's e
+    xf = _flush(bf16_to_f32(x)).reshape(x.shape[0], 1, -1, Q_STEPS, Q_LANES, 2)  # [m, 1, B, s, l, e]
+    qp = q.reshape(1, q.shape[0], q.shape[1], Q_STEPS, Q_LANES, 2)  # [1, n, B, s, l, e]
+    acc = np.zeros((x.shape[0], q.shape[0], Q_LANES), dtype=np.float32)  # [m, n, 4]
     with np.errstate(all="ignore"):
-        t = _flush(_flush(xf[..., 1] * qp[..., 1]) + xf[..., 0] * qp[..., 0])  # [m, n, B, 16]
-        s = _flush(xf[..., 1] + xf[..., 0])  # [m, 1, B, 16]
+        t = np.zeros((x.shape[0], q.shape[0], q.shape[1], Q_LANES), dtype=np.float32)  # [m, n, B, 4]
+        s = np.zeros((x.shape[0], 1, q.shape[1], Q_LANES), dtype=np.float32)  # [m, 1, B, 4]
+        for step in range(Q_STEPS):
+            xs, qs = xf[:, :, :, step], qp[:, :, :, step]  # [m, 1, B, 4, 2], [1, n, B, 4, 2]
+            t = _flush(_flush(t + xs[..., 1] * qs[..., 1]) + xs[..., 0] * qs[..., 0])
+            s = _flush(_flush(s + xs[..., 1]) + xs[..., 0])
         for b in range(q.shape[1]):
             acc = _fma32(t[:, :, b], d[None, :, b, None], acc)
             if mn is not None:
                 acc = _fma32(s[:, :, b], mn[None, :, b, None], acc)
-        for width in (8, 4, 2, 1):
-            acc = acc[..., :width] + acc[..., width:2 * width]
-        out = acc[..., 0]  # [m, n]
+        out = (acc[..., 0] + acc[..., 2]) + (acc[..., 1] + acc[..., 3])  # [m, n]
         if bias is not None:
             out = out + np.asarray(bias, dtype=np.float32)
         if add_to is not None:
