@@ -12,13 +12,28 @@ Rules:
 - The llguidance tokenizer is built once, on the grammar thread, when the table is
   made (the worker's start-up; ~0.3 s that holds the GIL, so never during a step), sized
   to the model's vocabulary: ids the tokenizer lacks (padding rows) are never allowed.
-- The step: `begin(rows)` hands the next-token bitmask of every constrained row that
-  samples this step to the mask thread (one thread, started once, fed before the
-  forward), which computes it while the forward pass runs (llguidance and the forward
-  both drop the GIL); `apply(logits)` joins it and sets the disallowed logits to -inf in
-  C (native.apply_token_bitmask) before sampling. After sampling, `consume(id, tok)`
-  advances the matcher; it says when the grammar is complete (the value is done: the
-  request stops there) or broken.
+- Two ways to put a grammar on a row, chosen once per request (`checks_after`):
+  * masked first: `begin(rows)` hands the next-token bitmask of the row to the mask
+    thread (one thread, started once, fed before the forward), which computes it while
+    the forward pass runs (llguidance and the forward both drop the GIL); `apply(logits)`
+    joins it and sets the disallowed logits to -inf in C (native.apply_token_bitmask)
+    before sampling.
+  * checked after: the row samples from its unmasked logits and `check(tokens, logits)`
+    asks its matcher whether the token is allowed (a few microseconds); only a refused
+    row gets its mask, then (on the caller's thread, the forward is over) and is sampled
+    again from the masked logits. A mask costs ~15-650 us of CPU (a JSON string: the
+    whole vocabulary is walked), and on a machine whose cores all run the forward that
+    time is taken from the forward, at batch 8 most of the constrained slow-down; the
+    model's own pick is allowed almost always. The draw is the masked draw: greedy, the
+    first maximum of all logits, when allowed, is the first maximum of the allowed ones;
+    with temperature alone, a draw from the unmasked softmax kept when allowed, else
+    drawn again from the masked one, is a draw from the masked distribution (rejection
+    sampling: p(t) + (1 - Z) p(t) / Z = p(t) / Z, Z the allowed mass). Not for top_k,
+    top_p or min_p (they cut the distribution before the mask renormalises it), nor
+    penalties (the sampler penalises the logits in place: a second draw would penalise
+    twice), nor logprobs (they are of the masked logits): those rows are masked first.
+  After sampling, `consume(id, tok)` advances the matcher; it says when the grammar is
+  complete (the value is done: the request stops there) or broken.
 - Rows without a constraint pay nothing: with no constrained row in the step, begin and
   apply return at once. A row's mask depends on its own matcher only (batch invariance).
 - Buffers are made once: the bitmask int32[slots, ceil(vocab / 32)] (row i: the i-th
@@ -34,13 +49,21 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mashbox import native
-from mashbox.config import Constraint
+from mashbox.config import Constraint, SamplingParams
 from mashbox.text import grammar
 
 log = logging.getLogger("mashbox.engine.constraints")
 
 OK, DONE, BROKEN = "ok", "done", "broken"  # what consume() says of a matcher
 COMPILED_MAX = 32  # grammars kept compiled (an agent sends the same tools every turn)
+
+
+def checks_after(sampling: SamplingParams, logprobs: Optional[int]) -> bool:
+    """True when a row under a grammar may sample from its unmasked logits and be checked
+    after (module rules): greedy or temperature alone, no penalties, no logprobs."""
+    return (logprobs is None and sampling.top_k == 0 and sampling.top_p >= 1.0 and sampling.min_p <= 0.0
+            and sampling.repetition_penalty == 1.0 and sampling.frequency_penalty == 0.0
+            and sampling.presence_penalty == 0.0)
 
 
 class _MaskThread:
@@ -53,7 +76,9 @@ class _MaskThread:
 
     def __init__(self, bitmask: np.ndarray) -> None:
         import llguidance
+        import llguidance.numpy as lln
 
+        self._fill = lln.fill_next_token_bitmask_par
         self._bitmask = bitmask  # int32[rows, words], written by the job
         self._executor = llguidance.LLExecutor(1)
         self._go = threading.Lock()
@@ -66,12 +91,10 @@ class _MaskThread:
         threading.Thread(target=self._run, name="mashbox-mask", daemon=True).start()
 
     def _run(self) -> None:
-        import llguidance.numpy as lln
-
         while True:
             self._go.acquire()
             try:
-                lln.fill_next_token_bitmask_par(self._executor, self._pairs, self._bitmask)
+                self._fill(self._executor, self._pairs, self._bitmask)
             except BaseException as exc:  # noqa: BLE001 - handed to join()'s caller
                 self._error = exc
             self._pairs = None
@@ -82,6 +105,10 @@ class _MaskThread:
         self._pairs = pairs
         self.busy = True
         self._go.release()
+
+    def fill_now(self, pairs: list) -> None:
+        """The masks of `pairs` on the caller's thread (the thread has no job: joined)."""
+        self._fill(self._executor, pairs, self._bitmask)
 
     def join(self) -> None:
         if not self.busy:
@@ -107,7 +134,11 @@ class ConstraintTable:
         self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-grammar")
         self._lltok = self._grammar_thread.submit(grammar.ll_tokenizer, tokenizer, vocab_size)
         self._mask = _MaskThread(self.bitmask)
-        self._rows: list[int] = []  # positions (among the step's sampled rows) that are constrained
+        self._after: set[str] = set()  # request ids whose rows are checked after sampling
+        self._first_rows: list[int] = []  # this step's masked-first rows: positions among the sampled rows
+        self._after_pairs: list[tuple[object, int]] = []  # this step's checked rows: (matcher, position)
+        self.checked = 0  # tokens checked after sampling, since the start
+        self.refused = 0  # of them, refused (masked and sampled again)
 
     @property
     def active(self) -> bool:
@@ -117,9 +148,17 @@ class ConstraintTable:
     def compiling(self) -> bool:
         return bool(self._compiling)
 
-    def add(self, request_id: str, constraint: Constraint) -> bool:
+    def wait_tokenizer(self, timeout: Optional[float] = None) -> None:
+        """Block until the llguidance tokenizer is built (or failed: the constrained
+        requests then fail alone), so it never holds the GIL during a step."""
+        concurrent.futures.wait([self._lltok], timeout)
+
+    def add(self, request_id: str, constraint: Constraint, check_after: bool = False) -> bool:
         """A matcher for a submitted request: True when it is ready now (a grammar compiled
-        before); False when it is being compiled (compiled() says when it is done)."""
+        before); False when it is being compiled (compiled() says when it is done).
+        check_after: its rows sample unmasked and are checked after (`checks_after`)."""
+        if check_after:
+            self._after.add(request_id)
         fresh = self._compiled.get(constraint)
         if fresh is not None:
             self._matchers[request_id] = fresh.deep_copy()
@@ -146,9 +185,11 @@ class ConstraintTable:
             try:
                 fresh = fut.result()
             except ValueError as exc:  # GrammarError, or llguidance's own
+                self._after.discard(rid)
                 out.append((rid, str(exc) or type(exc).__name__))
                 continue
             except Exception as exc:  # noqa: BLE001 - e.g. the tokenizer failed: this request fails, not the worker
+                self._after.discard(rid)
                 log.exception("request %s: its grammar could not be compiled", rid)
                 out.append((rid, f"the grammar could not be compiled: {type(exc).__name__}: {exc}"))
                 continue
@@ -169,6 +210,7 @@ class ConstraintTable:
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._after.discard(request_id)
         pending = self._compiling.pop(request_id, None)
         if pending is not None:
             pending[1].cancel()  # one already running ends unused
@@ -177,16 +219,19 @@ class ConstraintTable:
         return request_id in self._matchers
 
     def begin(self, sampled_ids: Sequence[str]) -> None:
-        """Start the masks of the constrained rows among `sampled_ids` (the step's rows
-        that sample, in order) on the mask thread."""
-        if not self._matchers:
-            return
+        """Start the masks of the masked-first rows among `sampled_ids` (the step's rows
+        that sample, in order) on the mask thread; the checked rows wait for check()."""
         self._mask.join()  # a mask a failed forward left running (it writes into the bitmask)
-        pairs = [(self._matchers[rid], i) for i, rid in enumerate(sampled_ids) if rid in self._matchers]
-        self._rows = [i for _, i in pairs]
-        if not pairs:
-            return
-        self._mask.start(pairs)
+        first, after = [], []
+        matchers, checked = self._matchers, self._after
+        for i, rid in enumerate(sampled_ids):
+            m = matchers.get(rid)
+            if m is not None:
+                (after if rid in checked else first).append((m, i))
+        self._first_rows = [i for _, i in first]
+        self._after_pairs = after
+        if first:
+            self._mask.start(first)
 
     def apply(self, logits: np.ndarray) -> None:
         """logits: float32[n, vocab], the step's sampled rows in begin()'s order; the
@@ -197,8 +242,28 @@ class ConstraintTable:
         n = logits.shape[0]
         row_mask = self._row_mask[:n]
         row_mask.fill(-1)
-        row_mask[self._rows] = self._rows  # sampled row i reads bitmask row i
+        row_mask[self._first_rows] = self._first_rows  # sampled row i reads bitmask row i
         native.apply_token_bitmask(logits, self.bitmask, row_mask)
+
+    def check(self, tokens: Sequence[int], logits: np.ndarray) -> list[int]:
+        """After sampling (tokens: the step's sampled ids, logits: float32[n, vocab] as in
+        apply): the positions of the checked rows whose grammar refuses their token. Their
+        masks are applied to `logits` in place: the caller samples those rows again."""
+        pairs, self._after_pairs = self._after_pairs, []
+        if not pairs:
+            return []
+        refused = [(m, i) for m, i in pairs if not m.validate_tokens([tokens[i]])]
+        self.checked += len(pairs)
+        if not refused:
+            return []
+        self.refused += len(refused)
+        self._mask.fill_now(refused)  # bitmask rows of checked rows: no job of this step writes them
+        rows = [i for _, i in refused]
+        row_mask = self._row_mask[: logits.shape[0]]
+        row_mask.fill(-1)
+        row_mask[rows] = rows
+        native.apply_token_bitmask(logits, self.bitmask, row_mask)
+        return rows
 
     def consume(self, request_id: str, token: int) -> str:
         """Advance a request's matcher by its sampled token: OK, DONE (the grammar admits

@@ -243,7 +243,19 @@ class Runner:
             constraints.apply(logits_np)
         # a row's penalty history: its prompt + the ids sampled before this step
         hist_lens = [len(rows[i].request.token_ids) for i in pick]
-        return self.sample(logits_np, slots, slot_tokens, hist_lens)
+        out = self.sample(logits_np, slots, slot_tokens, hist_lens)
+        if constraints is not None:
+            # rows checked after sampling whose token their grammar refused: masked now,
+            # drawn again (they have no penalties and no logprobs: constraints.checks_after)
+            again = constraints.check(out, logits_np)
+            if again:
+                kept = self.step_logprobs
+                redrawn = self.sample(logits_np[again], [slots[i] for i in again], slot_tokens,
+                                      [hist_lens[i] for i in again])
+                self.step_logprobs = kept
+                for i, t in zip(again, redrawn):
+                    out[i] = t
+        return out
 
     def sample(self, logits: np.ndarray, slots: list[int], slot_tokens: np.ndarray,
                hist_lens: list[int]) -> list[int]:

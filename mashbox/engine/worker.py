@@ -20,7 +20,7 @@ from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, StepEvent, Timings
 from mashbox.engine import frames
-from mashbox.engine.constraints import BROKEN, DONE, ConstraintTable
+from mashbox.engine.constraints import BROKEN, DONE, ConstraintTable, checks_after
 from mashbox.engine.request import Request, State
 from mashbox.engine.scheduler import Scheduler
 
@@ -141,7 +141,8 @@ class Engine:
             if req.prompt_ids and not (0 <= min(req.prompt_ids) and max(req.prompt_ids) < vocab):
                 # one bad id would fail the forward of every request in its step
                 raise ValueError(f"prompt_ids holds an id outside the vocabulary [0, {vocab})")
-            if req.constraint is not None and not self.constraints.add(req.id, req.constraint):
+            if req.constraint is not None and not self.constraints.add(
+                    req.id, req.constraint, checks_after(req.sampling, req.logprobs)):
                 self._compiling[req.id] = r  # its grammar compiles off the step; the others go on
                 return
             self.scheduler.add(r)
@@ -415,6 +416,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.exception("model load failed")
         pipe.send({"op": "fatal", "message": f"{type(e).__name__}: {e}"})
         return 2
+    # the llguidance tokenizer holds the GIL while it is built (~0.3 s): before ready, not
+    # in the first steps
+    engine.constraints.wait_tokenizer()
     pipe.send({"op": "ready", "info": engine.info()})
     log.info("ready")
     serve(pipe, engine)

@@ -108,3 +108,36 @@ def test_a_new_grammar_compiles_off_the_step_while_other_rows_decode(tiny, tiny_
     jsonschema.validate(json.loads(text), SCHEMAS[0])
     # the same grammar again is compiled already: the matcher is there at submit
     assert engine.constraints.add("again", Constraint("json_schema", json.dumps(SCHEMAS[0])))
+
+
+def test_rows_checked_after_sampling_draw_what_masked_rows_draw(tiny, tiny_tok):
+    """In process, one batch: each schema greedy twice, once sampled unmasked and checked
+    after (no logprobs) and once masked first (logprobs asked: constraints.checks_after
+    says no). Random weights prefer refused tokens, so the redraw path runs all the time;
+    the two rows must still pick the same ids, valid and complete."""
+    from mashbox.engine.constraints import checks_after
+    from mashbox.engine.worker import Engine
+
+    assert checks_after(SamplingParams(), None) and checks_after(SamplingParams(temperature=0.7), None)
+    assert not checks_after(SamplingParams(), 0)
+    assert not checks_after(SamplingParams(temperature=0.7, top_p=0.9), None)
+    assert not checks_after(SamplingParams(repetition_penalty=1.1), None)
+    engine = Engine(tiny_config(tiny))
+    prompt = tiny_tok.encode("hello there")
+    for i, schema in enumerate(SCHEMAS):
+        for rid, logprobs in ((f"after{i}", None), (f"first{i}", 0)):
+            engine.submit(GenerationRequest(id=rid, tenant="t", prompt_ids=tuple(prompt), max_tokens=160,
+                                            sampling=SamplingParams(), logprobs=logprobs,
+                                            constraint=Constraint("json_schema", json.dumps(schema))))
+    got: dict[str, list] = {}
+    while engine.has_work:
+        for ev in engine.step():
+            got.setdefault(ev.id, []).append(ev)
+    for i, schema in enumerate(SCHEMAS):
+        after, first = got[f"after{i}"], got[f"first{i}"]
+        assert [t for e in after for t in e.token_ids] == [t for e in first for t in e.token_ids], i
+        text = "".join(e.text for e in after)
+        assert after[-1].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+    table = engine.constraints
+    assert table.refused > 0 and table.checked > table.refused
