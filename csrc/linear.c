@@ -456,11 +456,67 @@ static void mb_silu_mul_rows(const void *args, int32_t r0, int32_t r1) {
     }
 }
 
+#if MB_HAVE_AVX512BF16
+/* mb_silu_mul_rows 16 outputs at a time: the same IEEE operations in the same order
+ * (mb_exp's as bf16.h writes them, the division exact, mb_round_bf16's bit steps), so
+ * the same bits; the scalar clones leave mb_exp unvectorised (a prefill's largest
+ * elementwise op: [tokens, intermediate] per layer). */
+static MB_TARGET void mb_silu_mul_rows_avx512(const void *args, int32_t r0, int32_t r1) {
+    const struct mb_silu_args *a = (const struct mb_silu_args *)args;
+    int32_t n = a->n;
+    const __m512 lim = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int32_t)0x80000000u);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    for (int32_t r = r0; r < r1; r++) {
+        const uint16_t *gate = a->x + (size_t)r * a->ldx, *up = gate + n;
+        uint16_t *o = a->out + (size_t)r * a->ldo;
+        for (int32_t i = 0; i < n; i += 16) {
+            __mmask16 k = n - i >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (n - i)) - 1u);
+            __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, gate + i)), 16));
+            __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, up + i)), 16));
+            /* e = mb_exp(-|g|) */
+            __m512 x = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+            __mmask16 low = _mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ);
+            __m512 y = _mm512_mask_blend_ps(low, x, lim);
+            __m512 nn = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)), magic), magic);
+            __m512 rr = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_mul_ps(nn, _mm512_set1_ps(0.693359375f))),
+                                      _mm512_mul_ps(nn, _mm512_set1_ps(-2.12194440e-4f)));
+            __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.3981999507e-3f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(8.3334519073e-3f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(4.1665795894e-2f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.6666665459e-1f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(5.0000001201e-1f));
+            p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(rr, rr)), rr), one);
+            __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
+            __m512 e = _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)), _mm512_setzero_ps());
+            __m512 d = _mm512_add_ps(one, e);
+            __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __m512 sv = _mm512_div_ps(_mm512_mask_blend_ps(pos, _mm512_mul_ps(g, e), g), d);
+            /* mb_round_bf16 of s * up */
+            __m512i b = _mm512_castps_si512(_mm512_mul_ps(sv, u));
+            __mmask16 den = _mm512_testn_epi32_mask(b, expo);
+            b = _mm512_mask_and_epi32(b, den, b, sign);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs), expo);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            __m512i rn = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
+            __m512i qn = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+            _mm256_mask_storeu_epi16(o + i, k, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rn, qn)));
+        }
+    }
+}
+#endif
+
 int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
                      int64_t ldo, void *parallel, int32_t threads) {
     if (m < 0 || n < 1 || ldx < 2 * (int64_t)n || ldo < n)
         return MB_EINVAL;
     struct mb_silu_args a = {x, ldx, n, out, ldo};
-    mb_rows(m, (int64_t)m * n, mb_silu_mul_rows, &a, parallel, threads);
+    void (*run)(const void *, int32_t, int32_t) = mb_silu_mul_rows;
+#if MB_HAVE_AVX512BF16
+    if (mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        run = mb_silu_mul_rows_avx512;
+#endif
+    mb_rows(m, (int64_t)m * n, run, &a, parallel, threads);
     return MB_OK;
 }
