@@ -352,9 +352,10 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
 #define MB_PF_BLOCK 64      /* keys per online-softmax block, anchored at key 0 */
 #define MB_PF_MAX_GROUP 16  /* query heads per K/V head */
 #define MB_PF_MAX_GD 1024   /* group * head_dim */
+#define MB_PF_ITEM_GD 1536  /* tile_run * group * head_dim: a work item's query buffers */
 #define MB_PF_KB 8          /* keys per score micro-tile */
 #define MB_PF_DB 8          /* dims per value micro-tile */
-#define MB_PF_TILES 4       /* query tiles per work item, walked over the keys together */
+#define MB_PF_TILES 8       /* query tiles per work item, walked over the keys together (4: 6% slower at 20k keys) */
 
 struct mb_pf_job {
     const uint16_t *q;
@@ -657,9 +658,9 @@ static MB_PF_TARGET void mb_pf_item_avx512(const struct mb_pf_job *j, int32_t r,
     int32_t nt = tiles - tile < j->tile_run ? tiles - tile : j->tile_run;
     size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
     const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
-    /* tile_run * group * head_dim <= MB_PF_MAX_GD */
-    uint32_t qt[MB_PF_MAX_GD / 2 * MB_PF_Q] __attribute__((aligned(64)));
-    float acc[MB_PF_MAX_GD * MB_PF_Q] __attribute__((aligned(64)));
+    /* tile_run * group * head_dim <= MB_PF_ITEM_GD */
+    uint32_t qt[MB_PF_ITEM_GD / 2 * MB_PF_Q] __attribute__((aligned(64)));
+    float acc[MB_PF_ITEM_GD * MB_PF_Q] __attribute__((aligned(64)));
     float s[MB_PF_BLOCK * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
     uint32_t pp[MB_PF_BLOCK / 2 * MB_PF_MAX_GROUP * MB_PF_Q] __attribute__((aligned(64)));
     uint32_t vp[MB_PF_BLOCK / 2 * MB_ATT_MAX_DIM] __attribute__((aligned(64)));
@@ -774,7 +775,7 @@ int mb_bf16_prefill_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const
         j.run = mb_pf_item;
 #if MB_ATT_HAVE_AVX512
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16) {
-        int32_t fit = MB_PF_MAX_GD / ((heads / kv_heads) * head_dim);
+        int32_t fit = MB_PF_ITEM_GD / ((heads / kv_heads) * head_dim);
         j.run = mb_pf_item_avx512, j.tile_run = fit < MB_PF_TILES ? fit : MB_PF_TILES;
     }
 #endif

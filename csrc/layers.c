@@ -61,24 +61,25 @@ int mb_bf16_decode_layers(const struct mb_layer *layers, int32_t n_layers, int32
         const struct mb_layer *L = layers + li;
         uint16_t *kc = k_cache + (size_t)li * layer_stride, *vc = v_cache + (size_t)li * layer_stride;
         int rc;
-        if ((rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->input_norm, eps, h, hidden)) ||
+        if ((rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->input_norm, eps, h, hidden, parallel, threads)) ||
             (rc = mb_layer_linear(L->qkv, L->qkv_type, L->qkv_row_bytes, h, hidden, t, L->v ? qk_n : qkv_n,
                                   hidden, L->qkv_bias, qkv, MB_Y_BF16, qkv_n, kernel, parallel, threads)) ||
             (L->v && (rc = mb_layer_linear(L->v, L->v_type, L->v_row_bytes, h, hidden, t, kv_n, hidden,
                                            L->qkv_bias ? L->qkv_bias + qk_n : NULL, qkv + qk_n, MB_Y_BF16,
                                            qkv_n, kernel, parallel, threads))) ||
             (rc = mb_bf16_rope_kv(qkv, qkv_n, t, heads, kv_heads, head_dim, cos, sin, positions,
-                                  slots, kc, vc, n_slots, capacity, table_rows)) ||
+                                  slots, kc, vc, n_slots, capacity, table_rows, parallel, threads)) ||
             (rc = mb_bf16_attention(qkv, qkv_n, t, rows, slots, ends, t, heads, kv_heads, head_dim,
                                     window, scale, kc, vc, n_slots, capacity, attn, q_size,
                                     kernel, parallel, threads)) ||
             (rc = mb_layer_linear(L->o, L->o_type, L->o_row_bytes, attn, q_size, t, hidden, q_size,
                                   L->o_bias, x, MB_Y_ADD_BF16, hidden, kernel, parallel, threads)) ||
-            (rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->post_norm, eps, h, hidden)) ||
+            (rc = mb_bf16_rmsnorm(x, hidden, t, hidden, L->post_norm, eps, h, hidden, parallel, threads)) ||
             (rc = mb_layer_linear(L->gate_up, L->gate_up_type, L->gate_up_row_bytes, h, hidden, t,
                                   2 * intermediate, hidden, NULL, gu, MB_Y_BF16, 2 * intermediate,
                                   kernel, parallel, threads)) ||
-            (rc = mb_bf16_silu_mul(gu, 2 * intermediate, t, intermediate, act, intermediate)) ||
+            (rc = mb_bf16_silu_mul(gu, 2 * intermediate, t, intermediate, act, intermediate, parallel,
+                                   threads)) ||
             (rc = mb_layer_linear(L->down, L->down_type, L->down_row_bytes, act, intermediate, t, hidden,
                                   intermediate, NULL, x, MB_Y_ADD_BF16, hidden, kernel, parallel,
                                   threads)))

@@ -27,8 +27,9 @@
  *
  * The file also holds what the CPU decoder calls between its linear layers on bfloat16
  * rows, with the same rounding helpers: RMS norm (mb_bf16_rmsnorm) and rope with the
- * K/V cache write (mb_bf16_rope_kv). One call each instead of several torch ops is most
- * of a decode step's non-memory time saved.
+ * K/V cache write (mb_bf16_rope_kv), the MLP's silu_mul. One call each instead of several
+ * torch ops is most of a decode step's non-memory time saved; a prefill chunk's rows are
+ * split between the pool's threads (mb_rows), each row's arithmetic unchanged.
  */
 #include "mashbox.h"
 #include "bf16.h"
@@ -287,14 +288,63 @@ int mb_bf16_gather_rows(const uint16_t *packed, int32_t n, int32_t k, const int6
     return MB_OK;
 }
 
+/* Row-wise work on the caller's pool (rmsnorm, rope_kv, silu_mul): runs of MB_ROWS_RUN
+ * rows handed out one at a time; a row's arithmetic is the same whichever thread runs
+ * it, so its bits are too. A call under MB_ROWS_PARALLEL elements (a decode step's few
+ * rows) stays on the calling thread, where waking the pool costs more than the work. */
+#define MB_ROWS_RUN 16
+#define MB_ROWS_PARALLEL 32768
+
+struct mb_rows_job {
+    int32_t m;
+    int64_t next; /* the next run: atomically advanced */
+    void (*run)(const void *args, int32_t r0, int32_t r1);
+    const void *args;
+};
+
+static void mb_rows_worker(void *data) {
+    struct mb_rows_job *j = (struct mb_rows_job *)data;
+    int64_t runs = ((int64_t)j->m + MB_ROWS_RUN - 1) / MB_ROWS_RUN;
+    for (;;) {
+        int64_t run = mb_take_one(&j->next);
+        if (run >= runs)
+            return;
+        int32_t r0 = (int32_t)(run * MB_ROWS_RUN);
+        j->run(j->args, r0, j->m - r0 < MB_ROWS_RUN ? j->m : r0 + MB_ROWS_RUN);
+    }
+}
+
+static void mb_rows(int32_t m, int64_t elements, void (*run)(const void *, int32_t, int32_t), const void *args,
+                    void *parallel, int32_t threads) {
+#ifdef MB_ATOMICS
+    if (parallel != NULL && threads > 1 && m > MB_ROWS_RUN && elements >= MB_ROWS_PARALLEL) {
+        struct mb_rows_job j = {m, 0, run, args};
+        ((mb_parallel_fn)parallel)(mb_rows_worker, &j, (unsigned)threads, 0);
+        return;
+    }
+#else
+    (void)elements, (void)parallel, (void)threads;
+#endif
+    run(args, 0, m);
+}
+
+struct mb_norm_args {
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t k;
+    const uint16_t *w;
+    float eps;
+    uint16_t *out;
+    int64_t ldo;
+};
+
 MB_CLONES
-int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
-                    float eps, uint16_t *out, int64_t ldo) {
-    if (m < 0 || k < 1 || ldx < k || ldo < k)
-        return MB_EINVAL;
-    for (int32_t r = 0; r < m; r++) {
-        const uint16_t *xr = x + (size_t)r * ldx;
-        uint16_t *o = out + (size_t)r * ldo;
+static void mb_rmsnorm_rows(const void *args, int32_t r0, int32_t r1) {
+    const struct mb_norm_args *a = (const struct mb_norm_args *)args;
+    int32_t k = a->k;
+    for (int32_t r = r0; r < r1; r++) {
+        const uint16_t *xr = a->x + (size_t)r * a->ldx;
+        uint16_t *o = a->out + (size_t)r * a->ldo;
         double lane[MB_NORM_LANES] = {0};
         int32_t i = 0;
         for (; i + MB_NORM_LANES <= k; i += MB_NORM_LANES) /* element i into lane i % 8 */
@@ -307,34 +357,43 @@ int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const 
             lane[i % MB_NORM_LANES] += v * v;
         }
         double ss = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-        float rstd = (float)(1.0 / sqrt(ss / (double)k + (double)eps));
+        float rstd = (float)(1.0 / sqrt(ss / (double)k + (double)a->eps));
         for (int32_t i = 0; i < k; i++)
-            o[i] = mb_round_bf16((mb_bf16_f32(xr[i]) * rstd) * mb_bf16_f32(w[i]));
+            o[i] = mb_round_bf16((mb_bf16_f32(xr[i]) * rstd) * mb_bf16_f32(a->w[i]));
     }
+}
+
+int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
+                    float eps, uint16_t *out, int64_t ldo, void *parallel, int32_t threads) {
+    if (m < 0 || k < 1 || ldx < k || ldo < k)
+        return MB_EINVAL;
+    struct mb_norm_args a = {x, ldx, k, w, eps, out, ldo};
+    mb_rows(m, (int64_t)m * k, mb_rmsnorm_rows, &a, parallel, threads);
     return MB_OK;
 }
 
-int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_t kv_heads,
-                    int32_t head_dim, const uint16_t *cos, const uint16_t *sin,
-                    const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
-                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows) {
-    int32_t half = head_dim / 2;
-    if (t < 0 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || head_dim > MB_MAX_HEAD_DIM ||
-        ldq < (int64_t)(heads + 2 * kv_heads) * head_dim || n_slots < 1 || capacity < 1)
-        return MB_EINVAL;
-    for (int32_t i = 0; i < t; i++)
-        if (positions[i] < 0 || positions[i] >= capacity || positions[i] >= table_rows ||
-            slots[i] < 0 || slots[i] >= n_slots)
-            return MB_EINVAL;
-    size_t head_stride = (size_t)capacity * head_dim, slot_stride = (size_t)kv_heads * head_stride;
-    for (int32_t i = 0; i < t; i++) {
-        uint16_t *row = qkv + (size_t)i * ldq;
-        const uint16_t *c = cos + (size_t)positions[i] * head_dim;
-        const uint16_t *s = sin + (size_t)positions[i] * head_dim;
-        size_t at = (size_t)slots[i] * slot_stride + (size_t)positions[i] * head_dim;
+struct mb_rope_args {
+    uint16_t *qkv;
+    int64_t ldq;
+    int32_t heads, kv_heads, head_dim;
+    const uint16_t *cos, *sin;
+    const int64_t *positions, *slots;
+    uint16_t *k_cache, *v_cache;
+    int32_t capacity;
+};
+
+static void mb_rope_kv_rows(const void *args, int32_t r0, int32_t r1) {
+    const struct mb_rope_args *a = (const struct mb_rope_args *)args;
+    int32_t heads = a->heads, kv_heads = a->kv_heads, head_dim = a->head_dim, half = head_dim / 2;
+    size_t head_stride = (size_t)a->capacity * head_dim, slot_stride = (size_t)kv_heads * head_stride;
+    for (int32_t i = r0; i < r1; i++) {
+        uint16_t *row = a->qkv + (size_t)i * a->ldq;
+        const uint16_t *c = a->cos + (size_t)a->positions[i] * head_dim;
+        const uint16_t *s = a->sin + (size_t)a->positions[i] * head_dim;
+        size_t at = (size_t)a->slots[i] * slot_stride + (size_t)a->positions[i] * head_dim;
         for (int32_t h = 0; h < heads + kv_heads; h++) {
             uint16_t *x = row + (size_t)h * head_dim;
-            uint16_t *dst = h < heads ? x : k_cache + at + (size_t)(h - heads) * head_stride;
+            uint16_t *dst = h < heads ? x : a->k_cache + at + (size_t)(h - heads) * head_stride;
             float rot[MB_MAX_HEAD_DIM];
             for (int32_t d = 0; d < head_dim; d++) {
                 float other = mb_bf16_f32(x[d < half ? d + half : d - half]);
@@ -345,22 +404,48 @@ int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_
         }
         const uint16_t *v = row + (size_t)(heads + kv_heads) * head_dim;
         for (int32_t h = 0; h < kv_heads; h++)
-            memcpy(v_cache + at + (size_t)h * head_stride, v + (size_t)h * head_dim,
+            memcpy(a->v_cache + at + (size_t)h * head_stride, v + (size_t)h * head_dim,
                    (size_t)head_dim * sizeof(uint16_t));
     }
+}
+
+int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_t kv_heads,
+                    int32_t head_dim, const uint16_t *cos, const uint16_t *sin,
+                    const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
+                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows,
+                    void *parallel, int32_t threads) {
+    if (t < 0 || heads < 1 || kv_heads < 1 || head_dim < 2 || head_dim % 2 || head_dim > MB_MAX_HEAD_DIM ||
+        ldq < (int64_t)(heads + 2 * kv_heads) * head_dim || n_slots < 1 || capacity < 1)
+        return MB_EINVAL;
+    for (int32_t i = 0; i < t; i++)
+        if (positions[i] < 0 || positions[i] >= capacity || positions[i] >= table_rows ||
+            slots[i] < 0 || slots[i] >= n_slots)
+            return MB_EINVAL;
+    struct mb_rope_args a = {qkv, ldq, heads, kv_heads, head_dim, cos, sin, positions, slots,
+                             k_cache, v_cache, capacity};
+    /* two rows never write one place: a row's q is its own, and its K/V go to its own
+     * (slot, position), which the caller keeps distinct within a call */
+    mb_rows(t, (int64_t)t * (heads + 2 * kv_heads) * head_dim, mb_rope_kv_rows, &a, parallel, threads);
     return MB_OK;
 }
+
+struct mb_silu_args {
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t n;
+    uint16_t *out;
+    int64_t ldo;
+};
 
 /* silu(gate) * up, rounded once; silu(g) = g / (1 + e^-g) with e = mb_exp(-|g|) so the
  * exponent is never positive: g / (1 + e) for g >= 0, (g * e) / (1 + e) below. */
 MB_CLONES
-int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
-                     int64_t ldo) {
-    if (m < 0 || n < 1 || ldx < 2 * (int64_t)n || ldo < n)
-        return MB_EINVAL;
-    for (int32_t r = 0; r < m; r++) {
-        const uint16_t *gate = x + (size_t)r * ldx, *up = gate + n;
-        uint16_t *o = out + (size_t)r * ldo;
+static void mb_silu_mul_rows(const void *args, int32_t r0, int32_t r1) {
+    const struct mb_silu_args *a = (const struct mb_silu_args *)args;
+    int32_t n = a->n;
+    for (int32_t r = r0; r < r1; r++) {
+        const uint16_t *gate = a->x + (size_t)r * a->ldx, *up = gate + n;
+        uint16_t *o = a->out + (size_t)r * a->ldo;
         for (int32_t i = 0; i < n; i++) {
             float g = mb_bf16_f32(gate[i]);
             float e = mb_exp(-fabsf(g));
@@ -369,5 +454,69 @@ int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint1
             o[i] = mb_round_bf16(s * mb_bf16_f32(up[i]));
         }
     }
+}
+
+#if MB_HAVE_AVX512BF16
+/* mb_silu_mul_rows 16 outputs at a time: the same IEEE operations in the same order
+ * (mb_exp's as bf16.h writes them, the division exact, mb_round_bf16's bit steps), so
+ * the same bits; the scalar clones leave mb_exp unvectorised (a prefill's largest
+ * elementwise op: [tokens, intermediate] per layer). */
+static MB_TARGET void mb_silu_mul_rows_avx512(const void *args, int32_t r0, int32_t r1) {
+    const struct mb_silu_args *a = (const struct mb_silu_args *)args;
+    int32_t n = a->n;
+    const __m512 lim = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int32_t)0x80000000u);
+    const __m512i abs = _mm512_set1_epi32(0x7fffffff);
+    for (int32_t r = r0; r < r1; r++) {
+        const uint16_t *gate = a->x + (size_t)r * a->ldx, *up = gate + n;
+        uint16_t *o = a->out + (size_t)r * a->ldo;
+        for (int32_t i = 0; i < n; i += 16) {
+            __mmask16 k = n - i >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (n - i)) - 1u);
+            __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, gate + i)), 16));
+            __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, up + i)), 16));
+            /* e = mb_exp(-|g|) */
+            __m512 x = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
+            __mmask16 low = _mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ);
+            __m512 y = _mm512_mask_blend_ps(low, x, lim);
+            __m512 nn = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)), magic), magic);
+            __m512 rr = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_mul_ps(nn, _mm512_set1_ps(0.693359375f))),
+                                      _mm512_mul_ps(nn, _mm512_set1_ps(-2.12194440e-4f)));
+            __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.3981999507e-3f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(8.3334519073e-3f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(4.1665795894e-2f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.6666665459e-1f));
+            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(5.0000001201e-1f));
+            p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(rr, rr)), rr), one);
+            __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
+            __m512 e = _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)), _mm512_setzero_ps());
+            __m512 d = _mm512_add_ps(one, e);
+            __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+            __m512 sv = _mm512_div_ps(_mm512_mask_blend_ps(pos, _mm512_mul_ps(g, e), g), d);
+            /* mb_round_bf16 of s * up */
+            __m512i b = _mm512_castps_si512(_mm512_mul_ps(sv, u));
+            __mmask16 den = _mm512_testn_epi32_mask(b, expo);
+            b = _mm512_mask_and_epi32(b, den, b, sign);
+            __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, abs), expo);
+            __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+            __m512i rn = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd), 16);
+            __m512i qn = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+            _mm256_mask_storeu_epi16(o + i, k, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rn, qn)));
+        }
+    }
+}
+#endif
+
+int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
+                     int64_t ldo, void *parallel, int32_t threads) {
+    if (m < 0 || n < 1 || ldx < 2 * (int64_t)n || ldo < n)
+        return MB_EINVAL;
+    struct mb_silu_args a = {x, ldx, n, out, ldo};
+    void (*run)(const void *, int32_t, int32_t) = mb_silu_mul_rows;
+#if MB_HAVE_AVX512BF16
+    if (mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        run = mb_silu_mul_rows_avx512;
+#endif
+    mb_rows(m, (int64_t)m * n, run, &a, parallel, threads);
     return MB_OK;
 }

@@ -132,15 +132,17 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
 /* RMS norm of m rows of k bfloat16 (rows ldx / ldo apart) times w[k], into out:
  * ss = sum of x^2 in float64 over 8 lanes (element i into lane i % 8, in order; lanes
  * summed as ((0+1)+(2+3))+((4+5)+(6+7))), rstd = float(1 / sqrt(ss / k + eps)),
- * out = bfloat16((x * rstd) * w) in float32. */
+ * out = bfloat16((x * rstd) * w) in float32. parallel, threads: as mb_bf16_linear's (rows
+ * split between threads when the call is big enough; a row's bits are the same). */
 int mb_bf16_rmsnorm(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, const uint16_t *w,
-                    float eps, uint16_t *out, int64_t ldo);
+                    float eps, uint16_t *out, int64_t ldo, void *parallel, int32_t threads);
 
 /* The MLP's activation on m rows of x ([gate | up], n each, rows ldx apart, bfloat16):
  * out = bfloat16(silu(gate) * up) in float32, rows ldo apart; silu(g) = g / (1 + e) for
- * g >= 0, else (g * e) / (1 + e), e = e^-|g| by csrc's own exp (bf16.h). */
+ * g >= 0, else (g * e) / (1 + e), e = e^-|g| by csrc's own exp (bf16.h). parallel,
+ * threads: as mb_bf16_rmsnorm's. */
 int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint16_t *out,
-                     int64_t ldo);
+                     int64_t ldo, void *parallel, int32_t threads);
 
 /* Rotary embedding and the K/V cache write of t tokens (bfloat16 bits). Row i of qkv
  * (ldq apart) is [heads + 2 * kv_heads, head_dim]: q heads, k heads, v heads. For each
@@ -149,11 +151,13 @@ int mb_bf16_silu_mul(const uint16_t *x, int64_t ldx, int32_t m, int32_t n, uint1
  * head_dim, sin holding rotate-half's sign (cos, sin: tables [table_rows, head_dim]).
  * q' goes back into qkv; k' and v go to the caches [n_slots, kv_heads, capacity,
  * head_dim] at [slots[i], h, p]. MB_EINVAL for a position (past the cache or the tables) or slot out of range, an odd
- * head_dim or one over 1024. */
+ * head_dim or one over 1024. parallel, threads: as mb_bf16_rmsnorm's (the t tokens' (slot,
+ * position) pairs must be distinct). */
 int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_t kv_heads,
                     int32_t head_dim, const uint16_t *cos, const uint16_t *sin,
                     const int64_t *positions, const int64_t *slots, uint16_t *k_cache,
-                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows);
+                    uint16_t *v_cache, int32_t n_slots, int32_t capacity, int32_t table_rows,
+                    void *parallel, int32_t threads);
 
 /* Decode attention (csrc/attention.c states the arithmetic): for each of t rows, query
  * heads q[rows[r]] (bfloat16 [heads, head_dim], rows ldq apart, n_q of them) attend over

@@ -392,21 +392,24 @@ def bf16_gather_rows(w: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def bf16_rmsnorm_ptr(x: int, ldx: int, m: int, k: int, w: int, eps: float, out: int, ldo: int) -> None:
+def bf16_rmsnorm_ptr(x: int, ldx: int, m: int, k: int, w: int, eps: float, out: int, ldo: int,
+                     parallel: int = 0, threads: int = 1) -> None:
     """mb_bf16_rmsnorm on addresses; see csrc/mashbox.h."""
     _check(_lib.mb_bf16_rmsnorm(_ffi.cast("uint16_t *", x), ldx, m, k, _ffi.cast("uint16_t *", w),
-                                eps, _ffi.cast("uint16_t *", out), ldo), "bf16_rmsnorm")
+                                eps, _ffi.cast("uint16_t *", out), ldo, _ffi.cast("void *", parallel), threads),
+           "bf16_rmsnorm")
 
 
 def bf16_rope_kv_ptr(qkv: int, ldq: int, t: int, heads: int, kv_heads: int, head_dim: int,
                      cos: int, sin: int, positions: int, slots: int, k_cache: int, v_cache: int,
-                     n_slots: int, capacity: int, table_rows: int) -> None:
+                     n_slots: int, capacity: int, table_rows: int, parallel: int = 0, threads: int = 1) -> None:
     """mb_bf16_rope_kv on addresses; see csrc/mashbox.h."""
     u16 = "uint16_t *"
     _check(_lib.mb_bf16_rope_kv(
         _ffi.cast(u16, qkv), ldq, t, heads, kv_heads, head_dim, _ffi.cast(u16, cos), _ffi.cast(u16, sin),
         _ffi.cast("int64_t *", positions), _ffi.cast("int64_t *", slots), _ffi.cast(u16, k_cache),
-        _ffi.cast(u16, v_cache), n_slots, capacity, table_rows), "bf16_rope_kv")
+        _ffi.cast(u16, v_cache), n_slots, capacity, table_rows, _ffi.cast("void *", parallel), threads),
+        "bf16_rope_kv")
 
 
 def bf16_rope_kv(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
@@ -504,10 +507,11 @@ def bf16_prefill_attention(q: np.ndarray, firsts: np.ndarray, slots: np.ndarray,
                                out.ctypes.data, out.shape[1], bf16_kernel() if kernel is None else kernel, 0, 1)
 
 
-def bf16_silu_mul_ptr(x: int, ldx: int, m: int, n: int, out: int, ldo: int) -> None:
+def bf16_silu_mul_ptr(x: int, ldx: int, m: int, n: int, out: int, ldo: int, parallel: int = 0,
+                      threads: int = 1) -> None:
     """mb_bf16_silu_mul on addresses; see csrc/mashbox.h."""
-    _check(_lib.mb_bf16_silu_mul(_ffi.cast("uint16_t *", x), ldx, m, n, _ffi.cast("uint16_t *", out), ldo),
-           "bf16_silu_mul")
+    _check(_lib.mb_bf16_silu_mul(_ffi.cast("uint16_t *", x), ldx, m, n, _ffi.cast("uint16_t *", out), ldo,
+                                 _ffi.cast("void *", parallel), threads), "bf16_silu_mul")
 
 
 def bf16_silu_mul(x: np.ndarray) -> np.ndarray:

@@ -316,3 +316,41 @@ def test_silu_mul_is_close_to_torch_and_refuses_odd_widths():
     assert torch.equal(row_ops.silu_mul(x[2:3]), row_ops.silu_mul(x)[2:3])
     with pytest.raises(ValueError, match="halves"):
         native.bf16_silu_mul(np.zeros((1, 3), np.uint16))
+
+
+def test_row_ops_split_between_threads_keep_their_bits():
+    """rmsnorm, silu_mul and rope_kv on a prefill chunk's rows (big enough for csrc to split
+    them between the pool's threads) give the bits of one thread, and of the rows alone."""
+    from mashbox.model.model_config import ModelConfig
+    from mashbox.model.rope import RopeTable
+
+    config = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                         num_heads=3, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
+                         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    table = RopeTable(config, 512, torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(9)
+    m = 300  # 300 x 576 elements: past csrc's MB_ROWS_PARALLEL
+    x, w = torch.randn(m, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
+    gu = (torch.randn(m, 2 * 1536, generator=gen) * 4).bfloat16()
+    qkv = torch.randn(m, 5 * 64, generator=gen).bfloat16()
+    positions, slots = torch.randperm(512, generator=gen)[:m], torch.zeros(m, dtype=torch.int64)
+
+    def run():
+        k_cache, v_cache = torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 512, 64, dtype=torch.bfloat16)
+        q = qkv.clone()
+        row_ops.rope_kv(q, m, 3, 1, table.cos, table.sin, positions, slots, k_cache, v_cache)
+        return row_ops.rms_norm(x, w, 1e-5), row_ops.silu_mul(gu), q, k_cache, v_cache
+
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(run())
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert torch.equal(row_ops.rms_norm(x[17:18], w, 1e-5), outs[1][0][17:18])
+    assert torch.equal(row_ops.silu_mul(gu[250:251]), outs[1][1][250:251])

@@ -55,6 +55,11 @@ def parallel() -> int:
     return _PARALLEL
 
 
+def _pool() -> int:
+    """parallel(), without its call once looked up (the row ops run per layer)."""
+    return _PARALLEL if _PARALLEL is not None else parallel()
+
+
 def _rows(t: torch.Tensor, name: str, dtype: torch.dtype, width: int) -> None:
     """t is a 2-d CPU tensor of dtype, `width` wide, unit stride along the row."""
     if t.dtype != dtype or t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1 or t.device.type != "cpu":
@@ -144,7 +149,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out: torch.Tensor) -> 
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"out must have {x.shape[0]} rows (x's), got {out.shape[0]}")
     native.bf16_rmsnorm_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), k, w.data_ptr(), eps,
-                            out.data_ptr(), out.stride(0))
+                            out.data_ptr(), out.stride(0), _pool(), torch.get_num_threads())
 
 
 def silu_mul(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -156,7 +161,8 @@ def silu_mul(x: torch.Tensor, out: torch.Tensor) -> None:
     _rows(out, "out", torch.bfloat16, width // 2)
     if out.shape[0] != x.shape[0]:
         raise ValueError(f"out must have {x.shape[0]} rows (x's), got {out.shape[0]}")
-    native.bf16_silu_mul_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), width // 2, out.data_ptr(), out.stride(0))
+    native.bf16_silu_mul_ptr(x.data_ptr(), x.stride(0), int(x.shape[0]), width // 2, out.data_ptr(), out.stride(0),
+                             _pool(), torch.get_num_threads())
 
 
 def rope_kv(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, cos: torch.Tensor,
@@ -182,7 +188,7 @@ def rope_kv(qkv: torch.Tensor, tokens: int, heads: int, kv_heads: int, cos: torc
     native.bf16_rope_kv_ptr(
         qkv.data_ptr(), qkv.stride(0), tokens, heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        int(k_cache.shape[0]), int(k_cache.shape[2]), int(cos.shape[0]))
+        int(k_cache.shape[0]), int(k_cache.shape[2]), int(cos.shape[0]), _pool(), torch.get_num_threads())
 
 
 def _attention_operands(q: torch.Tensor, heads: int, kv_heads: int, k_cache: torch.Tensor,
