@@ -56,6 +56,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -217,16 +218,44 @@ def _render(api: ApiContext, conv: Conversation) -> tuple[list[int], bool, str, 
     return ids, in_reasoning, forced, use_tools
 
 
+class PerTokenizer:
+    """Values made once per tokenizer object and dropped with it. Keyed by identity (a
+    Tokenizer is an unhashable dataclass) through a weak reference, so an id reused after
+    the object is collected never finds the old entry."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}  # id -> (ref to the tokenizer, its value)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, tokenizer, make):
+        """The value of `tokenizer`, made by make(tokenizer) the first time."""
+        key = id(tokenizer)
+        hit = self._entries.get(key)
+        if hit is not None and hit[0]() is tokenizer:
+            return hit[1]
+        value = make(tokenizer)
+        self._entries[key] = (weakref.ref(tokenizer, lambda ref, key=key: self._forget(key, ref)), value)
+        return value
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is ref:
+            del self._entries[key]
+
+
 SHRINK = 4  # characters a normalizer may fold into one (NFC / NFKC compose at most ~3)
-_LONGEST_TOKEN: dict[int, int] = {}  # id(tokenizer) -> characters of its longest vocabulary entry
+_LONGEST_TOKEN = PerTokenizer()  # tokenizer -> characters of its longest vocabulary entry
+
+
+def _longest_token(tokenizer) -> int:
+    vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
+    return max((len(t) for t in vocab), default=1) or 1
 
 
 def longest_token_chars(tokenizer) -> int:
-    key = id(tokenizer)
-    if key not in _LONGEST_TOKEN:
-        vocab = tokenizer.hf.get_vocab(with_added_tokens=True)
-        _LONGEST_TOKEN[key] = max((len(t) for t in vocab), default=1) or 1
-    return _LONGEST_TOKEN[key]
+    return _LONGEST_TOKEN.get(tokenizer, _longest_token)
 
 
 def conversation_chars(conv: Conversation) -> int:
@@ -265,7 +294,7 @@ def fit_max_tokens(api: ApiContext, n_prompt: int, requested: Optional[int], par
 # loop: llguidance drops the GIL while it compiles, so other connections go on. Its
 # tokenizer holds the GIL while it is built (~0.3 s), so that happens at start-up
 # (`warm_grammar`, app.serve_async), not at the first constrained request.
-_LL_TOKENIZERS: dict[int, object] = {}  # id(tokenizer) -> its llguidance tokenizer (the grammar check)
+_LL_TOKENIZERS = PerTokenizer()  # tokenizer -> its llguidance tokenizer (the grammar check)
 _LL_LOCK = threading.Lock()
 _GRAMMAR_THREAD: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
@@ -280,10 +309,7 @@ def _grammar_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 def _ll_tokenizer(tokenizer):
     with _LL_LOCK:
-        key = id(tokenizer)
-        if key not in _LL_TOKENIZERS:
-            _LL_TOKENIZERS[key] = grammar.ll_tokenizer(tokenizer)
-        return _LL_TOKENIZERS[key]
+        return _LL_TOKENIZERS.get(tokenizer, grammar.ll_tokenizer)
 
 
 def warm_grammar(tokenizer) -> concurrent.futures.Future:

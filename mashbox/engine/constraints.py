@@ -106,10 +106,6 @@ class _MaskThread:
         self.busy = True
         self._go.release()
 
-    def fill_now(self, pairs: list) -> None:
-        """The masks of `pairs` on the caller's thread (the thread has no job: joined)."""
-        self._fill(self._executor, pairs, self._bitmask)
-
     def join(self) -> None:
         if not self.busy:
             return
@@ -134,6 +130,8 @@ class ConstraintTable:
         self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mashbox-grammar")
         self._lltok = self._grammar_thread.submit(grammar.ll_tokenizer, tokenizer, vocab_size)
         self._mask = _MaskThread(self.bitmask)
+        # bitmask row i's address: check() has llguidance write a refused row's mask there
+        self._row_addr = [self.bitmask.ctypes.data + i * self.bitmask.strides[0] for i in range(slots)]
         self._after: set[str] = set()  # request ids whose rows are checked after sampling
         self._first_rows: list[int] = []  # this step's masked-first rows: positions among the sampled rows
         self._after_pairs: list[tuple[object, int]] = []  # this step's checked rows: (matcher, position)
@@ -257,7 +255,11 @@ class ConstraintTable:
         if not refused:
             return []
         self.refused += len(refused)
-        self._mask.fill_now(refused)  # bitmask rows of checked rows: no job of this step writes them
+        # on this thread, one row after another: the forward is over, and a hand-off to the
+        # mask thread would cost a wake-up. No job of this step writes checked rows' bitmask rows.
+        row_bytes = self.words * 4
+        for m, i in refused:
+            m.unsafe_compute_mask_ptr(self._row_addr[i], row_bytes)
         rows = [i for _, i in refused]
         row_mask = self._row_mask[: logits.shape[0]]
         row_mask.fill(-1)
