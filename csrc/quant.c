@@ -49,9 +49,16 @@
 
 #define MB_Q_BLOCK 32
 #define MB_Q_OUTS 16  /* outputs per work item */
-#define MB_Q_ROWS 64  /* rows per work item: their x stays in L2 */
+#define MB_Q_ROWS 256 /* rows per work item */
 #define MB_Q_LANES 4  /* float32 lanes per output */
 #define MB_Q_STEPS 4  /* vdpbf16ps steps per lane and block */
+#ifndef MB_Q_MR
+#define MB_Q_MR 3     /* rows per sweep (rows > 1): 12 accumulators + 12 block sums in registers */
+#endif
+#ifndef MB_Q_MR_M
+#define MB_Q_MR_M 2   /* the same for formats with m (their x sums take registers too) */
+#endif
+#define MB_Q_MR_MAX 4
 #define MB_Q_KC 8     /* blocks per widened chunk (rows > 1): 10-12 KB of scratch, in L1 */
 
 struct mb_q_format {
@@ -358,20 +365,20 @@ struct mb_q_chunk {
  * (float32, exact) between chunks. */
 MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint16_t *x, int64_t ldx,
                             __m512 *park, int first, const int has_m, const int MR) {
-    __m512 acc[3][4];
+    __m512 acc[MB_Q_MR_MAX][4];
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     for (int r = 0; r < MR; r++)
         for (int g = 0; g < 4; g++)
             acc[r][g] = first ? _mm512_setzero_ps() : park[4 * r + g];
     for (int32_t b = 0; b < kb; b++) {
-        __m512 t[3][4], sx[3];
+        __m512 t[MB_Q_MR_MAX][4], sx[MB_Q_MR_MAX];
         for (int r = 0; r < MR; r++) {
             sx[r] = _mm512_setzero_ps();
             for (int g = 0; g < 4; g++)
                 t[r][g] = _mm512_setzero_ps();
         }
         for (int s = 0; s < 4; s++) {
-            __m512bh xs[3];
+            __m512bh xs[MB_Q_MR_MAX];
             for (int r = 0; r < MR; r++) {
                 xs[r] = (__m512bh)_mm512_broadcast_i32x4(
                     _mm_loadu_si128((const __m128i *)(x + (size_t)r * ldx + (size_t)b * MB_Q_BLOCK + 8 * s)));
@@ -407,7 +414,7 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
-    const int MR = has_m ? 2 : 3;
+    const int MR = has_m ? MB_Q_MR_M : MB_Q_MR;
     const int32_t blocks = j->k / MB_Q_BLOCK;
     const uint8_t *wr[MB_Q_OUTS];
     mb_q_rows(j, c0, outs, wr);
@@ -426,9 +433,9 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
         int32_t r = 0;
         for (; r + MR <= rows; r += MR) {
             if (has_m)
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, 2);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, MB_Q_MR_M);
             else
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, 3);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, MB_Q_MR);
         }
         for (; r < rows; r++)
             mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, has_m, 1);
