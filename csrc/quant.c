@@ -49,9 +49,16 @@
 
 #define MB_Q_BLOCK 32
 #define MB_Q_OUTS 16  /* outputs per work item */
-#define MB_Q_ROWS 64  /* rows per work item: their x stays in L2 */
+#define MB_Q_ROWS 256 /* rows per work item */
 #define MB_Q_LANES 4  /* float32 lanes per output */
 #define MB_Q_STEPS 4  /* vdpbf16ps steps per lane and block */
+#ifndef MB_Q_MR
+#define MB_Q_MR 3     /* rows per sweep (rows > 1): 12 accumulators + 12 block sums in registers */
+#endif
+#ifndef MB_Q_MR_M
+#define MB_Q_MR_M 2   /* the same for formats with m (their x sums take registers too) */
+#endif
+#define MB_Q_MR_MAX 4
 #define MB_Q_KC 8     /* blocks per widened chunk (rows > 1): 10-12 KB of scratch, in L1 */
 
 struct mb_q_format {
@@ -187,24 +194,10 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
 #define MB_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 #define MB_Q_INLINE static inline __attribute__((always_inline)) MB_Q_TARGET
 
-/* One block's 32 small integers (what d multiplies) as int8, in element order. */
+/* Q8_0: a block's 32 integers, in element order. */
 MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
-    if (type == MB_GGML_Q8_0)
-        return _mm256_loadu_si256((const __m256i *)(blk + 2));
-    int qs_at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
-    __m128i qs = _mm_loadu_si128((const __m128i *)(blk + qs_at));
-    __m128i lo = _mm_and_si128(qs, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(15));
-    __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1); /* elements 0..15, 16..31 */
-    if (type == MB_GGML_Q5_0 || type == MB_GGML_Q5_1) {                   /* bit e of qh: element e's 16 */
-        uint32_t qh;
-        memcpy(&qh, blk + (type == MB_GGML_Q5_0 ? 2 : 4), 4);
-        v = _mm256_mask_add_epi8(v, (__mmask32)qh, v, _mm256_set1_epi8(16));
-    }
-    if (type == MB_GGML_Q4_0)
-        v = _mm256_sub_epi8(v, _mm256_set1_epi8(8));
-    else if (type == MB_GGML_Q5_0)
-        v = _mm256_sub_epi8(v, _mm256_set1_epi8(16));
-    return v;
+    (void)type;
+    return _mm256_loadu_si256((const __m256i *)(blk + 2));
 }
 
 /* 32 int8 -> 32 bfloat16 (exact), in order. */
@@ -214,17 +207,70 @@ MB_Q_INLINE __m512bh mb_q_bf16(__m256i v) {
     return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
 }
 
+/* bfloat16 of each nibble's integer, without (lo) and with (hi) the fifth bit: Q4_0 less
+ * 8, Q5_0 less 16 (exact); indices 16..31 unused. */
+struct mb_q_tables {
+    __m512i lo, hi;
+};
+
+static uint16_t mb_q_bf16_int(int v) { return (uint16_t)(mb_f32_bits((float)v) >> 16); }
+
+MB_Q_INLINE void mb_q_make_tables(const int32_t type, struct mb_q_tables *t) {
+    uint16_t lo[32], hi[32];
+    int off = type == MB_GGML_Q4_0 ? 8 : type == MB_GGML_Q5_0 ? 16 : 0;
+    for (int i = 0; i < 32; i++) {
+        lo[i] = mb_q_bf16_int((i & 15) - off);
+        hi[i] = mb_q_bf16_int((i & 15) + 16 - off);
+    }
+    t->lo = _mm512_loadu_si512(lo);
+    t->hi = _mm512_loadu_si512(hi);
+}
+
 /* Four outputs' block b (blk[o]): w[s] holds, in 128-bit lane o, output o's elements
- * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times. */
-MB_Q_INLINE void mb_q_widen4(const int32_t type, const uint8_t *const blk[4], __m512bh w[4], __m512 *d, __m512 *m) {
-    __m256i a = mb_q_ints(type, blk[0]), b = mb_q_ints(type, blk[1]);
-    __m256i c = mb_q_ints(type, blk[2]), e = mb_q_ints(type, blk[3]);
-    __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
-    __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
-    w[0] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
-    w[1] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
-    w[2] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
-    w[3] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
+ * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times.
+ * Q8_0: a 4 x 4 transpose of 8-byte pieces, then int8 -> float32 -> bfloat16. Nibbles:
+ * the four outputs' 16 qs bytes side by side in one zmm; unpacking its low (high) nibbles
+ * with zero bytes gives steps 0, 1 (2, 3) as 16-bit indices, and one vpermw each maps
+ * them to bfloat16 (a second, masked by qh's bits, adds the fifth bit's 16). */
+MB_Q_INLINE void mb_q_widen4(const int32_t type, const struct mb_q_tables *tb, const uint8_t *const blk[4],
+                             __m512bh w[4], __m512 *d, __m512 *m) {
+    if (type == MB_GGML_Q8_0) {
+        __m256i a = mb_q_ints(type, blk[0]), b = mb_q_ints(type, blk[1]);
+        __m256i c = mb_q_ints(type, blk[2]), e = mb_q_ints(type, blk[3]);
+        __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
+        __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
+        w[0] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
+        w[1] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
+        w[2] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
+        w[3] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
+    } else {
+        const int qs_at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
+        __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk[0] + qs_at)));
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(blk[1] + qs_at)), 1);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(blk[2] + qs_at)), 2);
+        z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)(blk[3] + qs_at)), 3);
+        const __m512i nib = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+        __m512i lo = _mm512_and_si512(z, nib), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), nib);
+        __m512i idx[4] = {_mm512_unpacklo_epi8(lo, zero), _mm512_unpackhi_epi8(lo, zero),
+                          _mm512_unpacklo_epi8(hi, zero), _mm512_unpackhi_epi8(hi, zero)};
+        if (type == MB_GGML_Q5_0 || type == MB_GGML_Q5_1) {
+            /* step s's mask: bit 8o + j is bit 8s + j of output o's qh (a 4 x 4 byte transpose) */
+            const int qh_at = type == MB_GGML_Q5_0 ? 2 : 4;
+            uint32_t qh[4];
+            for (int o = 0; o < 4; o++)
+                memcpy(&qh[o], blk[o] + qh_at, 4);
+            __m128i t = _mm_shuffle_epi8(_mm_setr_epi32((int)qh[0], (int)qh[1], (int)qh[2], (int)qh[3]),
+                                         _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+            uint32_t mk[4] = {(uint32_t)_mm_cvtsi128_si32(t), (uint32_t)_mm_extract_epi32(t, 1),
+                              (uint32_t)_mm_extract_epi32(t, 2), (uint32_t)_mm_extract_epi32(t, 3)};
+            for (int s = 0; s < 4; s++)
+                w[s] = (__m512bh)_mm512_mask_permutexvar_epi16(_mm512_permutexvar_epi16(idx[s], tb->lo),
+                                                               (__mmask32)mk[s], idx[s], tb->hi);
+        } else {
+            for (int s = 0; s < 4; s++)
+                w[s] = (__m512bh)_mm512_permutexvar_epi16(idx[s], tb->lo);
+        }
+    }
     const __m512i four = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     if (type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1) { /* d and m side by side: one conversion */
         int32_t dm[4];
@@ -263,7 +309,7 @@ MB_Q_INLINE void mb_q_rows(const struct mb_q_job *j, int32_t c0, int32_t outs, c
 /* One row, up to 16 outputs: each group's block is widened and used at once; the next
  * item's rows are prefetched as this one goes (the hardware prefetcher alone leaves the
  * widening and the misses one after the other). */
-MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, int32_t r0, int32_t c0, int32_t outs, const int32_t type) {
+MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0, int32_t outs, const int32_t type) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
@@ -294,7 +340,7 @@ MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, int32_t r0, int32_t c0, 
             }
             __m512bh w[4];
             __m512 d, m;
-            mb_q_widen4(type, blk, w, &d, &m);
+            mb_q_widen4(type, tb, blk, w, &d, &m);
             __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xs[0], w[0]);
             t = _mm512_dpbf16_ps(t, xs[1], w[1]);
             t = _mm512_dpbf16_ps(t, xs[2], w[2]);
@@ -319,20 +365,20 @@ struct mb_q_chunk {
  * (float32, exact) between chunks. */
 MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint16_t *x, int64_t ldx,
                             __m512 *park, int first, const int has_m, const int MR) {
-    __m512 acc[3][4];
+    __m512 acc[MB_Q_MR_MAX][4];
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     for (int r = 0; r < MR; r++)
         for (int g = 0; g < 4; g++)
             acc[r][g] = first ? _mm512_setzero_ps() : park[4 * r + g];
     for (int32_t b = 0; b < kb; b++) {
-        __m512 t[3][4], sx[3];
+        __m512 t[MB_Q_MR_MAX][4], sx[MB_Q_MR_MAX];
         for (int r = 0; r < MR; r++) {
             sx[r] = _mm512_setzero_ps();
             for (int g = 0; g < 4; g++)
                 t[r][g] = _mm512_setzero_ps();
         }
         for (int s = 0; s < 4; s++) {
-            __m512bh xs[3];
+            __m512bh xs[MB_Q_MR_MAX];
             for (int r = 0; r < MR; r++) {
                 xs[r] = (__m512bh)_mm512_broadcast_i32x4(
                     _mm_loadu_si128((const __m128i *)(x + (size_t)r * ldx + (size_t)b * MB_Q_BLOCK + 8 * s)));
@@ -363,12 +409,12 @@ MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint1
 
 /* Two or more rows: chunk by chunk of blocks, widen the item's 16 outputs once into the
  * scratch, then sweep every row over it (MR rows at a time). */
-MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
+MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
                                 const int32_t type) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
-    const int MR = has_m ? 2 : 3;
+    const int MR = has_m ? MB_Q_MR_M : MB_Q_MR;
     const int32_t blocks = j->k / MB_Q_BLOCK;
     const uint8_t *wr[MB_Q_OUTS];
     mb_q_rows(j, c0, outs, wr);
@@ -381,15 +427,15 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, int32_t r0, int32_t ro
                 const uint8_t *blk[4];
                 for (int o = 0; o < 4; o++)
                     blk[o] = wr[4 * g + o] + (size_t)(b0 + b) * bytes;
-                mb_q_widen4(type, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
+                mb_q_widen4(type, tb, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
             }
         const uint16_t *x = j->x + (size_t)r0 * j->ldx + (size_t)b0 * MB_Q_BLOCK;
         int32_t r = 0;
         for (; r + MR <= rows; r += MR) {
             if (has_m)
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, 2);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, MB_Q_MR_M);
             else
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, 3);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, MB_Q_MR);
         }
         for (; r < rows; r++)
             mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, has_m, 1);
@@ -402,10 +448,12 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, int32_t r0, int32_t ro
 #define MB_Q_RUN(NAME, T)                                                                        \
     static MB_Q_TARGET void NAME(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, \
                                  int32_t outs) {                                                 \
+        struct mb_q_tables tb;                                                                   \
+        mb_q_make_tables(T, &tb);                                                                \
         if (rows == 1)                                                                           \
-            mb_q_one_row(j, r0, c0, outs, T);                                                    \
+            mb_q_one_row(j, &tb, r0, c0, outs, T);                                               \
         else                                                                                     \
-            mb_q_many_rows(j, r0, rows, c0, outs, T);                                            \
+            mb_q_many_rows(j, &tb, r0, rows, c0, outs, T);                                       \
     }
 
 MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0)

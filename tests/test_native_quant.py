@@ -107,14 +107,16 @@ def _quant_linear(qtype: int, n: int, k: int, seed: int, kernel: int, bias: bool
 @pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
 def test_rows_do_not_depend_on_their_batch(kernel, qtype):
-    """Row r of a batch of m equals the row alone, for m across the 8-row micro-tiles and
-    64-row work items, odd n (a lone last output), with the threads torch runs."""
-    n, k = 37, 96
+    """Row r of a batch of m equals the row alone (one row widens in registers, more sweep
+    a scratch), for m across the 2- and 3-row sweeps and 256-row work items, odd n (a lone
+    last output, a part-filled group of four), k past one 8-block scratch chunk, with the
+    threads torch runs."""
+    n, k, rows = 37, 320, 260
     lin, _ = _quant_linear(qtype, n, k, 0, kernel)
-    x = torch.randn(70, k, generator=torch.Generator().manual_seed(1)).bfloat16()
-    alone = torch.cat([lin(x[r:r + 1]) for r in range(70)])
-    for m in (1, 2, 7, 8, 9, 16, 17, 64, 65, 70):
-        for start in (0, 70 - m):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    alone = torch.cat([lin(x[r:r + 1]) for r in range(rows)])
+    for m in (1, 2, 3, 4, 5, 7, 16, 17, 255, 256, 257, rows):
+        for start in (0, rows - m):
             assert torch.equal(lin(x[start:start + m]), alone[start:start + m]), (m, start)
     assert torch.equal(lin(x, torch.float32).bfloat16(), alone)
 
