@@ -53,7 +53,7 @@
  * The order is fixed per output: a row's bits depend on its own x row, weight row, bias
  * and y, never on m, its neighbours or the threads. Rows go in groups of up to
  * MB_KQ_ROWS: the AVX-512 path decodes each block once per group and applies it to all
- * the group's rows, one output (weight row, read front to back, 2 KB prefetched ahead)
+ * the group's rows, one output (weight row, read front to back, 4 KB prefetched ahead into L2)
  * at a time. Work items (a row group x
  * MB_KQ_TILE outputs, the row groups of a tile next to each other so that its weights
  * are read from memory once) are handed out to the caller's OpenMP pool as csrc/linear.c
@@ -68,8 +68,11 @@
 #define MB_QK 256       /* weights per block */
 #define MB_KQ_ROWS 8    /* rows per group: each block is decoded once for all of them */
 #define MB_KQ_TILE 32   /* outputs per work item */
-#define MB_KQ_PREFETCH 2048 /* bytes ahead in the weight rows: 1-2 KB read fastest past the
-                             * caches (one core of a Zen 4; 0 and 4 KB were slower) */
+#define MB_KQ_PREFETCH 4096 /* bytes ahead in the weight rows, into L2 (prefetcht1): one core
+                             * of a Zen 4 then reads a row past the caches at the rate it
+                             * computes one in L2 (benchmarks/kquant.py --single --threads 1
+                             * on a 16384x8192 matrix); 2 KB into L1 (prefetcht0) left it
+                             * ~25% slower, waiting on memory */
 
 struct mb_kq_job {
     int32_t type;
@@ -353,12 +356,51 @@ mb_kq_words(const uint8_t *blk, int g, const int type, __m512bh *E, __m512bh *O)
  * products ahead of their adds (it spilled them all to the stack) */
 #define MB_KQ_PIN(v) __asm__ volatile("" : "+v"(v))
 
+/* A block's four group scale vectors s[g] (d * sc * 2^-e per lane, exact) and its N
+ * coefficients cv (Q4_K, Q5_K: 8 lanes; Q6_K: 16) */
+static inline __attribute__((always_inline)) MB_KQ_TARGET void
+mb_kq_block_scales(const uint8_t *blk, const int type, __m512 s[4], __m512 *cvp) {
+    const int q6 = type == MB_GGML_Q6_K;
+    const float unshift = type == MB_GGML_Q4_K ? 0.125f : type == MB_GGML_Q5_K ? 0.25f : 0.5f;
+    __m512 cv;
+    if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
+        __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
+                                   _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
+        __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
+        const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++)
+            s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
+        cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
+    } else {
+        /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
+        uint32_t u0, u1, u2;
+        memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
+        uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                       (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+        uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                       (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+        __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
+        cv = _mm512_castps256_ps512(
+            _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
+        /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
+        __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
+        const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++)
+            s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * (g / 2) + g % 2)), sh);
+    }
+    *cvp = cv;
+}
+
 /* Output c for MR rows from r0 (MR and the type constant in each instantiation). */
 static inline __attribute__((always_inline)) MB_KQ_TARGET void
 mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR, const int type) {
     const int q6 = type == MB_GGML_Q6_K;
     const int64_t bb = type == MB_GGML_Q4_K ? 144 : type == MB_GGML_Q5_K ? 176 : 210;
-    const float unshift = type == MB_GGML_Q4_K ? 0.125f : type == MB_GGML_Q5_K ? 0.25f : 0.5f;
     __m512 A[MB_KQ_ROWS], N[MB_KQ_ROWS];
     _Pragma("GCC unroll 32")
     for (int i = 0; i < MR; i++)
@@ -368,39 +410,10 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
     for (int32_t b = 0; b < j->blocks; b++) {
         const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
         _Pragma("GCC unroll 4")
-        for (int o = 0; o < bb; o += 64) /* 2 KB ahead (into the next row near the end) */
-            _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T0);
+        for (int o = 0; o < bb; o += 64) /* 4 KB ahead (into the next row near the end) */
+            _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T1);
         __m512 s[4], cv;
-        if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
-            __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
-            __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
-            const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-            _Pragma("GCC unroll 4")
-            for (int g = 0; g < 4; g++)
-                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
-            cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
-        } else {
-            /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
-            uint32_t u0, u1, u2;
-            memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
-            uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
-                           (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
-            uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
-                           (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-            __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
-                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-            __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
-                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-            cv = _mm512_castps256_ps512(
-                _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
-            /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
-            __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
-            const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-            _Pragma("GCC unroll 4")
-            for (int g = 0; g < 4; g++)
-                s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(halves, _mm512_set1_epi32(4 * (g / 2) + g % 2)), sh);
-        }
+        mb_kq_block_scales(blk, type, s, &cv);
         _Pragma("GCC unroll 4")
         for (int g = 0; g < 4; g++) {
             __m512bh E, O;
