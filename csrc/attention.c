@@ -143,24 +143,6 @@ static inline MB_ATT_TARGET __m512 mb_att_load_bf16(const uint16_t *p) { /* 16 b
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-static inline MB_ATT_TARGET __m512 mb_exp16(__m512 x) { /* mb_exp on 16 lanes */
-    const __m512 lim = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f);
-    __mmask16 low = _mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ);
-    __m512 y = _mm512_mask_blend_ps(low, x, lim);
-    __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)), magic), magic);
-    __m512 r = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                             _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_setzero_ps());
-}
-
 /* The lane folds of 16 dot products at once: part[k] holds key k's 16 lane sums; each
  * stage adds lane l to lane l + 8, + 4, + 2, + 1 of the same key (as mb_att_dot), two
  * keys' halves side by side, so the 16 results come out in the order of MB_ATT_ORDER. */

@@ -464,7 +464,7 @@ static void mb_silu_mul_rows(const void *args, int32_t r0, int32_t r1) {
 static MB_TARGET void mb_silu_mul_rows_avx512(const void *args, int32_t r0, int32_t r1) {
     const struct mb_silu_args *a = (const struct mb_silu_args *)args;
     int32_t n = a->n;
-    const __m512 lim = _mm512_set1_ps(-80.0f), magic = _mm512_set1_ps(12582912.0f), one = _mm512_set1_ps(1.0f);
+    const __m512 one = _mm512_set1_ps(1.0f);
     const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int32_t)0x80000000u);
     const __m512i abs = _mm512_set1_epi32(0x7fffffff);
     for (int32_t r = r0; r < r1; r++) {
@@ -474,22 +474,7 @@ static MB_TARGET void mb_silu_mul_rows_avx512(const void *args, int32_t r0, int3
             __mmask16 k = n - i >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (n - i)) - 1u);
             __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, gate + i)), 16));
             __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, up + i)), 16));
-            /* e = mb_exp(-|g|) */
-            __m512 x = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign));
-            __mmask16 low = _mm512_cmp_ps_mask(x, lim, _CMP_LT_OQ);
-            __m512 y = _mm512_mask_blend_ps(low, x, lim);
-            __m512 nn = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)), magic), magic);
-            __m512 rr = _mm512_sub_ps(_mm512_sub_ps(y, _mm512_mul_ps(nn, _mm512_set1_ps(0.693359375f))),
-                                      _mm512_mul_ps(nn, _mm512_set1_ps(-2.12194440e-4f)));
-            __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.3981999507e-3f));
-            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(8.3334519073e-3f));
-            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(4.1665795894e-2f));
-            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(1.6666665459e-1f));
-            p = _mm512_add_ps(_mm512_mul_ps(p, rr), _mm512_set1_ps(5.0000001201e-1f));
-            p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(rr, rr)), rr), one);
-            __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(nn), _mm512_set1_epi32(127)), 23);
-            __m512 e = _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(two_n)), _mm512_setzero_ps());
+            __m512 e = mb_exp16(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(g), sign))); /* mb_exp(-|g|) */
             __m512 d = _mm512_add_ps(one, e);
             __mmask16 pos = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
             __m512 sv = _mm512_div_ps(_mm512_mask_blend_ps(pos, _mm512_mul_ps(g, e), g), d);
