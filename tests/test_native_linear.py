@@ -234,14 +234,7 @@ def test_rope_kv_matches_the_reference(problem):
 def test_rope_kv_is_the_decoders_rope_and_refuses_bad_positions():
     """Against RopeTable.apply (torch, bfloat16 ops) within a rounding, and out-of-range
     positions or slots are refused before anything is written."""
-    from mashbox.model.model_config import ModelConfig
-    from mashbox.model.rope import RopeTable
-
-    config = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
-                         num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-                         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
-    table = RopeTable(config, 64, torch.bfloat16, torch.device("cpu"))
+    table = _rope_table(heads=2, head_dim=32, length=64)
     gen = torch.Generator().manual_seed(6)
     qkv = torch.randn(3, 4 * 32, generator=gen).bfloat16()
     k_cache, v_cache = torch.zeros(2, 1, 64, 32, dtype=torch.bfloat16), torch.zeros(2, 1, 64, 32, dtype=torch.bfloat16)
@@ -321,14 +314,7 @@ def test_silu_mul_is_close_to_torch_and_refuses_odd_widths():
 def test_row_ops_split_between_threads_keep_their_bits():
     """rmsnorm, silu_mul and rope_kv on a prefill chunk's rows (big enough for csrc to split
     them between the pool's threads) give the bits of one thread, and of the rows alone."""
-    from mashbox.model.model_config import ModelConfig
-    from mashbox.model.rope import RopeTable
-
-    config = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
-                         num_heads=3, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=512,
-                         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
-    table = RopeTable(config, 512, torch.bfloat16, torch.device("cpu"))
+    table = _rope_table(heads=3, head_dim=64, length=512)
     gen = torch.Generator().manual_seed(9)
     m = 300  # 300 x 576 elements: past csrc's MB_ROWS_PARALLEL
     x, w = torch.randn(m, 576, generator=gen).bfloat16(), torch.randn(576, generator=gen).bfloat16()
@@ -354,3 +340,15 @@ def test_row_ops_split_between_threads_keep_their_bits():
         assert torch.equal(a, b)
     assert torch.equal(row_ops.rms_norm(x[17:18], w, 1e-5), outs[1][0][17:18])
     assert torch.equal(row_ops.silu_mul(gu[250:251]), outs[1][1][250:251])
+
+
+def _rope_table(heads: int, head_dim: int, length: int):
+    """A plain-rope RopeTable (bfloat16, CPU) for `heads` query heads over one kv head."""
+    from mashbox.model.model_config import ModelConfig
+    from mashbox.model.rope import RopeTable
+
+    config = ModelConfig(arch="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1,
+                         num_heads=heads, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=length,
+                         tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    return RopeTable(config, length, torch.bfloat16, torch.device("cpu"))
