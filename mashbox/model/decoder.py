@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from mashbox.model import attention
+from mashbox.model import device as device_mod
 from mashbox.model.attention_plan import AttentionPlan, MaskArena
 from mashbox.model.block_weight import BlockWeight
 from mashbox import native
@@ -137,7 +138,8 @@ class Decoder:
         self.config = config
         self.batch_invariant = (self.device.type == "cpu") if batch_invariant is None else batch_invariant
         self.dtype = dtype
-        self.kernels = kernels.resolve(config, dtype, self.device, weights, self._packed)
+        self.kernels = kernels.resolve(config, dtype, self.device, weights, self._packed,
+                                       amx=self.device.type == "cpu" and device_mod.amx_bf16())
         parts = self._take(config, tensors)
         # csrc's linears are batch invariant for any rows, so no padding rows (_min_rows 1)
         # (with int8 / int4 weights only the output head is dense; the int kernels keep
@@ -150,8 +152,8 @@ class Decoder:
         csrc_linears = self.kernels.linears == "csrc"
         self.ops = CsrcRowOps(config) if csrc_linears else TorchRowOps(config)
         self._attention_kernel = self.kernels.kernel if self.kernels.attention == "csrc" else 0
-        # prompt rows take csrc's prefill kernel with the decode rows' where it takes the model
-        self._prefill_kernel = self._attention_kernel if attention.prefill_supported(config) else 0
+        # prompt rows take csrc's prefill kernel with the decode rows' where kernels.prefill says so
+        self._prefill_kernel = self._attention_kernel if self.kernels.prefill == "csrc" else 0
         self._row_index = attention.RowIndex()  # the plans' index rows, made once
         self._masks = MaskArena(dtype, self.device)  # the SDPA path's masks, made once
         self.limits = limits

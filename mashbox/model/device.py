@@ -56,6 +56,13 @@ def cpu_flags() -> frozenset:
     return frozenset()
 
 
+def amx_bf16() -> bool:
+    """The CPU has AMX tiles with bfloat16 (Intel since Sapphire Rapids), which oneDNN's
+    bfloat16 gemms use (model/kernels.py's prefill choice)."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
 def own_bf16_kernel(hidden_size: int) -> bool:
     """mashbox's AVX512-BF16 linear kernel runs here and packs a [4*hidden, hidden] weight."""
     from mashbox import native

@@ -1,6 +1,6 @@
 """Kernels: what a Decoder runs on, chosen once at its construction.
 
-Four choices, each a field; "auto" (and kernel 0) picks the fastest that runs here:
+Five choices, each a field; "auto" (and kernel 0) picks the fastest that runs here:
 - linears: bfloat16 dense linears on csrc's kernel ("csrc": model/linear.py's
   BF16Linear, with the norms, rope and activation in csrc too: model/row_ops.py), on
   oneDNN-packed weights ("onednn"), or plain F.linear ("torch"). float32 and CUDA never
@@ -8,6 +8,11 @@ Four choices, each a field; "auto" (and kernel 0) picks the fastest that runs he
 - attention: decode rows (Batch.row_decode) on csrc's attention ("csrc":
   model/attention.py), prompt rows on its causal prefill kernel too where the model fits
   it (attention.prefill_supported; else SDPA for them), or both on SDPA ("sdpa").
+- prefill: where attention "csrc" sends prompt rows: csrc's causal prefill kernel
+  ("csrc", vdpbf16ps) or SDPA ("sdpa", masked and padded as the SDPA path's rows).
+  "auto" takes SDPA on a CPU with AMX-BF16 tiles, where oneDNN's bfloat16 gemms under
+  SDPA run on them and outrun the vdpbf16ps kernel (benchmarks/prefill.py --profile
+  prints both), else csrc. Either keeps chunked prefill batch invariant.
 - layers: a step whose rows all decode on csrc's attention runs every layer in one C
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
@@ -31,6 +36,7 @@ from mashbox.model.model_config import ModelConfig
 
 LINEARS = ("auto", "csrc", "onednn", "torch")
 ATTENTION = ("auto", "csrc", "sdpa")
+PREFILL = ("auto", "csrc", "sdpa")
 LAYERS = ("auto", "c", "python")
 KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
 
@@ -41,17 +47,20 @@ class Kernels:
     attention: str = "auto"
     layers: str = "auto"
     kernel: int = 0
+    prefill: str = "auto"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("linears", self.linears, LINEARS), ("attention", self.attention, ATTENTION),
-                                     ("layers", self.layers, LAYERS), ("kernel", self.kernel, KERNELS)):
+                                     ("layers", self.layers, LAYERS), ("kernel", self.kernel, KERNELS),
+                                     ("prefill", self.prefill, PREFILL)):
             if value not in allowed:
                 raise ModelError(f"kernels.{name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
 
     def resolve(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, weights: str,
-                packs: bool) -> "Kernels":
+                packs: bool, amx: bool = False) -> "Kernels":
         """The concrete choice for this model, dtype and device (no "auto" left; kernel 0
-        only where nothing runs on csrc). packs: oneDNN's linear packing is offered."""
+        only where nothing runs on csrc). packs: oneDNN's linear packing is offered; amx:
+        the CPU has AMX-BF16 tiles (device.amx_bf16())."""
         fastest = native.bf16_kernel() if native.NATIVE else 0
         if self.kernel == native.KERNEL_AVX512BF16 and fastest != native.KERNEL_AVX512BF16:
             raise ModelError("kernels.kernel AVX512-BF16 does not run on this CPU (or the extension is not built)")
@@ -80,6 +89,14 @@ class Kernels:
             raise ModelError("kernels.attention csrc needs bfloat16 on the CPU with the C extension built, "
                              f"head_dim a multiple of 16 up to {attention.MAX_HEAD_DIM} and at most "
                              f"{attention.MAX_GROUP} query heads per K/V head")
+        prefill = self.prefill
+        csrc_prefill = att == "csrc" and attention.prefill_supported(config)
+        if prefill == "auto":
+            prefill = "csrc" if csrc_prefill and not amx else "sdpa"
+        elif prefill == "csrc" and not csrc_prefill:
+            raise ModelError("kernels.prefill csrc needs attention csrc and at most "
+                             f"{attention.PREFILL_MAX_GROUP} query heads per K/V head "
+                             f"(group * head_dim up to {attention.PREFILL_MAX_GROUP_DIM})")
         c = config
         even = all(k % 2 == 0 for k in (c.hidden_size, c.q_size, c.intermediate_size))  # every linear's input size
         in_c = linears == "csrc" and att == "csrc" and weights in ("dense", "gguf") and not c.qk_norm and even
@@ -90,4 +107,5 @@ class Kernels:
             raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
         uses_csrc = linears == "csrc" or att == "csrc"
-        return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0)
+        return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0,
+                       prefill=prefill)

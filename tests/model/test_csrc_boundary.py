@@ -9,7 +9,7 @@ import torch
 from tiny import make_tiny
 
 from mashbox import native
-from mashbox.model import csrc, linear, loader
+from mashbox.model import csrc, device, linear, loader
 from mashbox.model.decoder import Batch, Decoder
 from mashbox.model.errors import ModelError
 from mashbox.model.kernels import Kernels
@@ -81,6 +81,24 @@ def test_kernels_are_checked_and_impossible_choices_refused(tmp_path):
         Decoder(w.config, w.tensors, BF16, CPU, kernels=Kernels(layers="c", kernel=native.KERNEL_PORTABLE))
 
 
+def test_prompt_rows_take_sdpa_on_amx_and_csrc_elsewhere(tmp_path):
+    """kernels.prefill "auto": SDPA where the CPU has AMX-BF16 tiles (oneDNN's gemms use
+    them), csrc's prefill kernel elsewhere; an explicit csrc that cannot run is refused."""
+    c = loader.load(str(make_tiny(tmp_path, "llama")), BF16, CPU).config
+    auto = Kernels(kernel=native.KERNEL_PORTABLE)
+    if not native.NATIVE:
+        pytest.skip("the C extension is not built")
+    assert auto.resolve(c, BF16, CPU, "dense", True, amx=False).prefill == "csrc"
+    assert auto.resolve(c, BF16, CPU, "dense", True, amx=True).prefill == "sdpa"
+    assert Kernels(kernel=native.KERNEL_PORTABLE, prefill="csrc").resolve(c, BF16, CPU, "dense", True,
+                                                                       amx=True).prefill == "csrc"
+    assert Kernels(attention="sdpa").resolve(c, BF16, CPU, "dense", True).prefill == "sdpa"
+    with pytest.raises(ModelError, match="kernels.prefill csrc"):
+        Kernels(attention="sdpa", prefill="csrc").resolve(c, BF16, CPU, "dense", True)
+    with pytest.raises(ModelError, match="kernels.prefill"):
+        Kernels(prefill="flash")
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral_window"])
 def test_the_portable_kernel_gives_the_avx512_kernels_bits(tmp_path, variant):
     """The portable kernel (what a CPU without AVX512-BF16 runs when forced) and the
@@ -92,7 +110,7 @@ def test_the_portable_kernel_gives_the_avx512_kernels_bits(tmp_path, variant):
     for kernel in (native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16):
         w = loader.load(path, BF16, CPU)
         d = Decoder(w.config, w.tensors, BF16, CPU, kernels=Kernels(kernel=kernel))
-        assert d.kernels == Kernels("csrc", "csrc", "c", kernel)
+        assert d.kernels == Kernels("csrc", "csrc", "c", kernel, "sdpa" if device.amx_bf16() else "csrc")
         cache = KVCache(d.config, slots=2, ctx=128, dtype=BF16, device=CPU)
         prompt = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(2)).tolist()
         steps = [d.forward(Batch.build([(0, 0, prompt), (1, 0, prompt[:20])]), cache)]

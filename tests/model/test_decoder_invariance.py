@@ -29,10 +29,16 @@ DTYPES = [torch.bfloat16, torch.float32]
 # runs on every machine, so csrc's paths are tested where AVX512-BF16 is missing too
 # (bf16-sdpa: oneDNN's linears and SDPA's attention, prompt rows included: the padded,
 # masked path that float32 and CUDA take)
+# (bf16-sdpa-prefill: csrc's linears and decode attention, prompt rows on SDPA, as "auto"
+# picks on a CPU with AMX; bf16-portable forces csrc's prefill kernel, whatever the CPU)
 KERNELS = [(torch.bfloat16, Kernels()), (torch.bfloat16, Kernels(linears="onednn")),
            (torch.bfloat16, Kernels(linears="onednn", attention="sdpa")),
-           (torch.bfloat16, Kernels(kernel=native.KERNEL_PORTABLE)), (torch.float32, Kernels())]
-KERNEL_IDS = ["bf16", "bf16-onednn", "bf16-sdpa", "bf16-portable", "f32"]
+           (torch.bfloat16, Kernels(kernel=native.KERNEL_PORTABLE, prefill="csrc")), (torch.float32, Kernels()),
+           (torch.bfloat16, Kernels(prefill="sdpa"))]
+KERNEL_IDS = ["bf16", "bf16-onednn", "bf16-sdpa", "bf16-portable", "f32", "bf16-sdpa-prefill"]
+if linear.bf16_kernel_available():  # csrc's AVX512-BF16 prefill kernel, forced where "auto" takes SDPA
+    KERNELS.append((torch.bfloat16, Kernels(prefill="csrc")))
+    KERNEL_IDS.append("bf16-csrc-prefill")
 # csrc's kernels, forced: the portable one everywhere, AVX512-BF16 where the CPU has it
 CSRC_KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
 CSRC_KERNEL_IDS = ["portable", "avx512bf16"][:len(CSRC_KERNELS)]
