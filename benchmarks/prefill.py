@@ -24,7 +24,8 @@ Usage: python benchmarks/prefill.py [--model PATH] [--sizes 5000,10000,20000,300
 
 --profile times one prefill chunk's forward of the default model (bfloat16, the kernels a
 server picks) at key offsets 0 .. 30k, and the attention alone of that chunk (every layer's
-call on csrc's prefill kernel, then on SDPA as the decoder ran it before), so that
+call on the prompt path the decoder picked: csrc's prefill kernel, or SDPA on a CPU with
+AMX; then on SDPA as the decoder runs it), so that
 
     profile chunk 512 at <offset>: forward <ms> = attention <ms> + the rest <ms> | sdpa attention <ms>
 
@@ -156,7 +157,7 @@ def profile(args) -> None:
     import torch
     import torch.nn.functional as F
 
-    from mashbox.model import attention, csrc, loader
+    from mashbox.model import csrc, loader
     from mashbox.model.decoder import Batch, Decoder
     from mashbox.model.kv_cache import KVCache, key_width
 
@@ -200,7 +201,7 @@ def profile(args) -> None:
         return best(lambda: [F.scaled_dot_product_attention(qr, k[:1, :, :keys], v[:1, :, :keys], attn_mask=mask)
                              for _ in range(c.num_layers)], reps=1)
 
-    own = attention.prefill_supported(c) and dec.kernels.attention == "csrc"
+    own = dec.kernels.prefill == "csrc"  # the prompt rows' attention the forward ran (SDPA on AMX)
     n = 512
     fits = {}
     for start in [s for s in (0, 5000, 10000, 20000, 30000) if s + n <= args.ctx]:
