@@ -9,7 +9,7 @@ import torch
 from tiny import make_tiny
 
 from mashbox import native
-from mashbox.model import csrc, device, linear, loader
+from mashbox.model import csrc, linear, loader
 from mashbox.model.decoder import Batch, Decoder
 from mashbox.model.errors import ModelError
 from mashbox.model.kernels import Kernels
@@ -84,10 +84,10 @@ def test_kernels_are_checked_and_impossible_choices_refused(tmp_path):
 def test_prompt_rows_take_sdpa_on_amx_and_csrc_elsewhere(tmp_path):
     """kernels.prefill "auto": SDPA where the CPU has AMX-BF16 tiles (oneDNN's gemms use
     them), csrc's prefill kernel elsewhere; an explicit csrc that cannot run is refused."""
-    c = loader.load(str(make_tiny(tmp_path, "llama")), BF16, CPU).config
-    auto = Kernels(kernel=native.KERNEL_PORTABLE)
     if not native.NATIVE:
         pytest.skip("the C extension is not built")
+    c = loader.load(str(make_tiny(tmp_path, "llama")), BF16, CPU).config
+    auto = Kernels(kernel=native.KERNEL_PORTABLE)
     assert auto.resolve(c, BF16, CPU, "dense", True, amx=False).prefill == "csrc"
     assert auto.resolve(c, BF16, CPU, "dense", True, amx=True).prefill == "sdpa"
     assert Kernels(kernel=native.KERNEL_PORTABLE, prefill="csrc").resolve(c, BF16, CPU, "dense", True,
@@ -109,8 +109,9 @@ def test_the_portable_kernel_gives_the_avx512_kernels_bits(tmp_path, variant):
     outs = []
     for kernel in (native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16):
         w = loader.load(path, BF16, CPU)
-        d = Decoder(w.config, w.tensors, BF16, CPU, kernels=Kernels(kernel=kernel))
-        assert d.kernels == Kernels("csrc", "csrc", "c", kernel, "sdpa" if device.amx_bf16() else "csrc")
+        # prompt rows on csrc's prefill kernel too, even where "auto" would take SDPA (AMX)
+        d = Decoder(w.config, w.tensors, BF16, CPU, kernels=Kernels(kernel=kernel, prefill="csrc"))
+        assert d.kernels == Kernels("csrc", "csrc", "c", kernel, "csrc")
         cache = KVCache(d.config, slots=2, ctx=128, dtype=BF16, device=CPU)
         prompt = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(2)).tolist()
         steps = [d.forward(Batch.build([(0, 0, prompt), (1, 0, prompt[:20])]), cache)]
