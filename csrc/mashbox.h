@@ -204,6 +204,18 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
                 const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                 int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);
 
+/* 1 when mb_q_linear_tiles runs here: a CPU with AMX-BF16 tiles (and AVX512-BF16) whose
+ * OS lets this process use them (csrc/amx.c; asked once). */
+int mb_amx_supported(void);
+
+/* mb_q_linear's y on AMX tiles, by the tile rule (csrc/amx.c states it): another fixed
+ * order of the same exact products per output, so other bits than mb_q_linear's, and as
+ * batch invariant. Every block type mb_q_linear takes; the same arguments less kernel.
+ * MB_EINVAL where mb_amx_supported() is 0. */
+int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads);
+
 /* Prefill attention (csrc/attention.c states the arithmetic): for each of t prompt rows,
  * its lens[r] queries q[firsts[r] + i] (bfloat16 [heads, head_dim], rows ldq apart, n_q of
  * them) at positions starts[r] + i attend causally over the keys of slot slots[r] in the

@@ -760,3 +760,49 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
 def q_supported(qtype: int) -> bool:
     """mb_q_linear runs this block type in this build (the K-quants need csrc/kquant.c)."""
     return _lib is not None and bool(_lib.mb_q_supported(qtype))
+
+
+def amx_supported() -> bool:
+    """mb_q_linear_tiles runs here (AMX-BF16 tiles the OS lets this process use)."""
+    return _lib is not None and bool(_lib.mb_amx_supported())
+
+
+def q_linear_tiles_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
+                       bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
+    """mb_q_linear_tiles on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
+    _check(_lib.mb_q_linear_tiles(
+        qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
+        _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy,
+        _ffi.cast("void *", parallel), threads), "q_linear_tiles")
+
+
+def q_block_row_bytes(qtype: int, k: int) -> int:
+    """Bytes of a k-element row of any GGUF block type the linears take (0: not one, or k
+    not a whole number of its blocks)."""
+    if qtype in native_ref.KQ_BLOCK_BYTES:
+        return k // native_ref.KQ_BLOCK * native_ref.KQ_BLOCK_BYTES[qtype] if k > 0 and k % native_ref.KQ_BLOCK == 0 else 0
+    return native_ref.q_row_bytes(qtype, k)
+
+
+def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+                   y_f32: bool = False, add_to: np.ndarray | None = None, parallel: int = 0,
+                   threads: int = 1) -> np.ndarray:
+    """native_ref.q_linear_tiles through the AMX kernel (where amx_supported(); else the
+    reference): w uint8[n, row_bytes] blocks of any type q_linear takes, x uint16[m, k]."""
+    x = _array(x, np.uint16, "x", 2)
+    w = _array(w, np.uint8, "w", 2)
+    m, k = x.shape
+    n = w.shape[0]
+    row_bytes = q_block_row_bytes(qtype, k)
+    if m < 1 or n < 1 or row_bytes == 0 or w.shape[1] != row_bytes:
+        raise ValueError(f"w must be [n >= 1, {row_bytes}] bytes of type {qtype} for x {x.shape}, got {w.shape}")
+    bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
+    if not amx_supported():
+        return native_ref.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
+    if add_to is not None:
+        y, mode = add_to.copy(), Y_ADD_BF16
+    else:
+        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    q_linear_tiles_ptr(qtype, w.ctypes.data, row_bytes, n, k, x.ctypes.data, k, m,
+                       0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, parallel, threads)
+    return y

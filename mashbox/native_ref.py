@@ -651,8 +651,8 @@ def q_parts(qtype: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 a * b + c rounded once (C's fmaf), for b a float16 value: a * b is exact
-    in float64 (24 + 11 bits); the float64 sum is rounded to odd (its exact error by
+    """float32 a * b + c rounded once (C's fmaf), for b of at most 29 significant bits (a
+    float16, or one times a small integer): a * b is exact in float64; the float64 sum is rounded to odd (its exact error by
     TwoSum decides), after which rounding to float32 is the single rounding."""
     a64, c64 = a.astype(np.float64), np.broadcast_to(c, np.broadcast(a, b, c).shape).astype(np.float64)
     p = a64 * b.astype(np.float64)
@@ -835,3 +835,60 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
         if add_to is not None:
             out = bf16_to_f32(add_to) + out
     return out if y_f32 else f32_to_bf16(out)
+
+
+# ---- the tile rule (csrc/amx.c): prompt rows of the GGUF linears on AMX tiles ----
+#
+# Per output: acc = 0; per sub-block s of L elements (32; Q6_K 16), w = scale_s * q +
+# min_s: P = tdp(x_s, q_s), acc = fma(P, scale_s, acc); with a min S = tdp(x_s, 1), acc =
+# fma(S, min_s, acc); then + bias and y as bf16_linear writes it. tdp is one TDPBF16PS
+# from a zero tile: E = +0, E = flush(E + x[2p] q[2p]) over the pairs p in order, O the
+# same over the odd elements, P = flush(E + O) (x flushed). The parts are gguf's own
+# dequantization's (q_parts, kq_parts).
+
+TILE_SUB = {Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, 12: 32, 13: 32, 14: 16}
+
+
+def tile_parts(qtype: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """w uint8[n, row_bytes] -> (q float32[n, S, L], scale float32[n, S], min or None): the
+    sub-blocks' small integers, scales and mins, so that gguf's value is q * scale + min."""
+    n = w.shape[0]
+    if qtype in Q_FORMATS:
+        return q_parts(qtype, w)
+    L = TILE_SUB[qtype]
+    q, s, mn, dmin = kq_parts(np.asarray(w, dtype=np.uint8).reshape(n, -1, KQ_BLOCK_BYTES[qtype]), qtype)
+    scale = s.reshape(n, -1, L)[..., 0]
+    mins = None if qtype == 14 else -(dmin[..., None] * mn.reshape(n, -1, 8, L)[..., 0]).reshape(n, -1)
+    return q.reshape(n, -1, L), scale, mins
+
+
+def _tdp(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """x float32[m, 1, S, L] (flushed), q float32[1 or n, ..., S, L] -> [m, n, S]: E over the
+    even elements, O over the odd ones, each from +0 in pair order, then E + O."""
+    e = o = np.float32(0)
+    for p in range(x.shape[-1] // 2):
+        e = _flush(np.asarray(e + x[..., 2 * p] * q[..., 2 * p], dtype=np.float32))
+        o = _flush(np.asarray(o + x[..., 2 * p + 1] * q[..., 2 * p + 1], dtype=np.float32))
+    return _flush(np.asarray(e + o, dtype=np.float32))
+
+
+def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+                   y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
+    """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype (any type
+    q_linear or kq_linear takes) -> y as bf16_linear's, by the tile rule above."""
+    q, scale, mins = tile_parts(qtype, w)  # [n, S, L], [n, S]
+    m, L = x.shape[0], q.shape[-1]
+    xf = _flush(bf16_to_f32(x)).reshape(m, 1, -1, L)  # [m, 1, S, L]
+    with np.errstate(all="ignore"):
+        p = _tdp(xf, q[None])  # [m, n, S]
+        sums = _tdp(xf, np.ones((1, 1, 1, L), dtype=np.float32)) if mins is not None else None  # [m, 1, S]
+        acc = np.zeros((m, q.shape[0]), dtype=np.float32)
+        for s in range(q.shape[1]):
+            acc = _fma32(p[:, :, s], scale[None, :, s], acc)
+            if mins is not None:
+                acc = _fma32(sums[:, :, s], mins[None, :, s], acc)
+        if bias is not None:
+            acc = acc + np.asarray(bias, dtype=np.float32)
+        if add_to is not None:
+            acc = bf16_to_f32(add_to) + acc
+    return acc if y_f32 else f32_to_bf16(acc)

@@ -1,0 +1,487 @@
+/* Prompt rows of the GGUF linears on AMX tiles: y[r, c] = x[r, :k] . dequant(w row c)
+ * (+ bias[c]), for the rows of a prefill chunk, on every block type csrc/quant.c and
+ * csrc/kquant.c read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+ *
+ * Why it exists: at prefill the vdpbf16ps kernels are compute bound (a few hundred
+ * GFLOP/s on two cores, against llama.cpp's int8 dot products on the same file); one
+ * TDPBF16PS does 16 x 16 x 32 multiply-adds, 16 times a vdpbf16ps's work per issue.
+ * Decode rows stay on the vdpbf16ps kernels (they read the weights once per step, and
+ * the widening into tiles would cost more than the multiply-adds they save).
+ *
+ * The rule, per output (row r of x, output c), "the tile rule" (mashbox/native_ref.py's
+ * q_linear_tiles states it in numpy). The weight row is cut into sub-blocks s of L
+ * elements (L = 32; Q6_K: 16), each w = scale_s * q + min_s with q a small integer,
+ * exact in bfloat16:
+ *   Q8_0 q int8, scale d;  Q4_0 nib - 8, d;  Q5_0 (nib | hbit << 4) - 16, d;
+ *   Q4_1, Q5_1 the unsigned integer, d, min m;
+ *   Q4_K, Q5_K q, scale d * sc_j, min -(dmin * mn_j) (both exact in float32);
+ *   Q6_K u - 32, scale d * sc_g.
+ * acc = 0; for each sub-block in order:
+ *     P = tdp(x_s, q_s);  acc = fma(P, scale_s, acc)
+ *     with a min: S = tdp(x_s, 1);  acc = fma(S, min_s, acc)
+ * then acc + bias, y as mb_bf16_linear writes it. tdp(a, b) is one TDPBF16PS from a zero
+ * tile: E = +0, E = E + a[2p] b[2p] over the pairs p in order, O the same over the odd
+ * elements, P = E + O (exact products; every add rounded to nearest even; bfloat16
+ * denormals read as zero and float32 denormal sums flushed to zero). The hardware was
+ * probed for that order (tests/test_native_amx.py compares bits on random inputs). A
+ * row's bits depend on its own x row, weight row, bias and y: never on m, the other rows
+ * or the threads. The bits differ from the vdpbf16ps rule's (another order of the same
+ * exact products), which is why the decoder sends a row kind to one rule only: prompt
+ * rows here, decode rows there (mashbox/model/linear.py).
+ *
+ * How: a work item is 16 outputs x up to MB_AMX_ROWS rows. Its weights are widened,
+ * MB_AMX_CHUNK elements at a time, into bfloat16 (each output's chunk in element order,
+ * by SIMD code per block type), then transposed into the tile B layout (pair p of
+ * output o at dword [p][o], 8 KB, in L1); each 16-row tile of x is tile A, loaded
+ * straight from x (a short last tile from a zero-padded copy). Per sub-block: one
+ * TDPBF16PS, the 16 x 16 result stored to L1 and folded into 16 zmm accumulators (one
+ * per row, 16 outputs in lanes) with the outputs' scale vector; the accumulators wait in
+ * float32 (exact) between chunks. The S sums of x (formats with a min) are made once per
+ * call with a tile of ones, in the caller's thread. Threads: the caller's OpenMP pool,
+ * each thread loading the tile configuration before its items and releasing it after.
+ */
+#define _GNU_SOURCE /* syscall() */
+#include "mashbox.h"
+#include "bf16.h"
+#include "ggml_blocks.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MB_AMX_OUTS 16    /* outputs per work item: one B tile's columns */
+#define MB_AMX_ROWS 256   /* rows per work item (16 KB of parked accumulators) */
+#define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
+
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define MB_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define MB_AMX 0
+#endif
+
+struct mb_amx_format {
+    int32_t block;  /* elements per block */
+    int32_t bytes;  /* bytes per block */
+    int32_t sub;    /* L: elements per sub-block (one scale) */
+    int32_t has_min;
+};
+
+static int mb_amx_format(int32_t type, struct mb_amx_format *f) {
+    switch (type) {
+    case MB_GGML_Q8_0: *f = (struct mb_amx_format){32, 34, 32, 0}; return 1;
+    case MB_GGML_Q4_0: *f = (struct mb_amx_format){32, 18, 32, 0}; return 1;
+    case MB_GGML_Q4_1: *f = (struct mb_amx_format){32, 20, 32, 1}; return 1;
+    case MB_GGML_Q5_0: *f = (struct mb_amx_format){32, 22, 32, 0}; return 1;
+    case MB_GGML_Q5_1: *f = (struct mb_amx_format){32, 24, 32, 1}; return 1;
+    case MB_GGML_Q4_K: *f = (struct mb_amx_format){256, 144, 32, 1}; return 1;
+    case MB_GGML_Q5_K: *f = (struct mb_amx_format){256, 176, 32, 1}; return 1;
+    case MB_GGML_Q6_K: *f = (struct mb_amx_format){256, 210, 16, 0}; return 1;
+    default: return 0;
+    }
+}
+
+#if MB_AMX
+
+#define MB_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+#define MB_AMX_INLINE static inline __attribute__((always_inline)) MB_AMX_TARGET
+
+#define MB_ARCH_REQ_XCOMP_PERM 0x1023
+#define MB_XFEATURE_XTILEDATA 18
+
+static int mb_amx_state; /* 0 unknown, 1 usable, -1 not */
+
+int mb_amx_supported(void) {
+    int s = __atomic_load_n(&mb_amx_state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        unsigned a, b, c, d;
+        int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u) && (d >> 24 & 1u) &&
+                  (b >> 16 & 1u) && (b >> 30 & 1u); /* AMX-BF16, AMX-TILE, AVX512F, AVX512BW */
+        int bf16 = cpu && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 5 & 1u); /* AVX512-BF16 */
+        /* Linux hands out the tile state only to a process that asks (5.16+) */
+        s = bf16 && syscall(SYS_arch_prctl, MB_ARCH_REQ_XCOMP_PERM, MB_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&mb_amx_state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+/* The tile configuration (palette 1): tiles 0, 1 results C (16 x 16 float32), 2, 3 x
+ * tiles A (16 rows x L bfloat16), 4, 5 weight tiles B (L / 2 pair rows x 16 outputs). */
+struct mb_amx_cfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+MB_AMX_INLINE void mb_amx_configure(int32_t sub) {
+    struct mb_amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = (uint16_t)(2 * sub);
+        cfg.rows[4 + t] = (uint8_t)(sub / 2), cfg.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+struct mb_amx_job {
+    int32_t type;
+    struct mb_amx_format fmt;
+    const uint8_t *w;
+    int64_t row_bytes;
+    int32_t n, k;
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t m;
+    const float *bias;
+    void *y;
+    int32_t y_mode;
+    int64_t ldy;
+    const float *sx;    /* [m, k / L] S sums of x (formats with a min), else NULL */
+    int32_t groups, chunks;
+    int64_t items, next, threads;
+};
+
+/* ---- widening: one output's elements [e0, e0 + 256) (or fewer, a legacy row's end)
+ * into bfloat16 in element order, its sub-blocks' scales and mins at stride 16 ---- */
+
+/* 32 int8 -> 32 bfloat16 (exact), in order */
+MB_AMX_INLINE __m512i mb_amx_i8_bf16(__m256i v) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
+}
+
+/* bfloat16 of i - off for i = 0 .. 31 (a vpermw table; exact) */
+MB_AMX_INLINE __m512i mb_amx_table(int off) {
+    uint16_t t[32];
+    for (int i = 0; i < 32; i++)
+        t[i] = (uint16_t)(mb_f32_bits((float)(i - off)) >> 16);
+    return _mm512_loadu_si512(t);
+}
+
+/* Legacy block: 16 bytes of nibbles (elements j and j + 16 in byte j) and, for Q5_*, the
+ * fifth bits qh (bit e for element e) -> the 32 integers' table indices, in order */
+MB_AMX_INLINE __m512i mb_amx_nibbles(const uint8_t *qs, uint32_t qh, int high) {
+    __m128i b = _mm_loadu_si128((const __m128i *)qs), f = _mm_set1_epi8(15);
+    __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));
+    __m512i idx = _mm512_cvtepu8_epi16(both);
+    if (high)
+        idx = _mm512_mask_add_epi16(idx, (__mmask32)qh, idx, _mm512_set1_epi16(16));
+    return idx;
+}
+
+MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t e0, int32_t elems,
+                                uint16_t *out, float *scale, float *mins) {
+    if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K) {
+        const int q5 = type == MB_GGML_Q5_K;
+        const uint8_t *blk = row + (size_t)(e0 / 256) * (q5 ? 176 : 144);
+        float d = mb_half(blk), dmin = mb_half(blk + 2);
+        uint32_t sc[8], mn[8];
+        mb_k_scales(blk + 4, sc, mn);
+        const uint8_t *qs = blk + (q5 ? 48 : 16);
+        const __m512i tab = mb_amx_table(0);
+        const __m256i f = _mm256_set1_epi8(15);
+        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+            b = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(b, 4) : b, f);
+            __m512i idx = _mm512_cvtepu8_epi16(b);
+            if (q5) /* sub-block j's fifth bits: bit j of qh[l] */
+                idx = _mm512_mask_add_epi16(idx, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j))), idx,
+                                            _mm512_set1_epi16(16));
+            _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(idx, tab));
+            scale[16 * j] = d * (float)sc[j];
+            mins[16 * j] = -(dmin * (float)mn[j]);
+        }
+        return;
+    }
+    if (type == MB_GGML_Q6_K) {
+        const uint8_t *blk = row + (size_t)(e0 / 256) * 210;
+        float d = mb_half(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m512i lo = mb_amx_table(32), hi = mb_amx_table(0); /* u - 32 for u < 32, u >= 32 */
+        const __m256i f = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; h++) { /* element 128h + 32g + l: 4 low bits from ql, 2 high from qh */
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (g & 1)));
+                __m256i low = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(ql, 4) : ql, f);
+                __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), three);
+                __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(top, 4)); /* 0..63 per byte */
+                __m512i w = _mm512_permutex2var_epi16(lo, _mm512_cvtepu8_epi16(u), hi);
+                _mm512_storeu_si512(out + 128 * h + 32 * g, w);
+            }
+        }
+        for (int s = 0; s < 16; s++)
+            scale[16 * s] = d * (float)sc[s];
+        return;
+    }
+    const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
+                      : type == MB_GGML_Q5_0 ? 22 : 24;
+    const __m512i tab = mb_amx_table(type == MB_GGML_Q4_0 ? 8 : type == MB_GGML_Q5_0 ? 16 : 0);
+    for (int32_t b = 0; b < elems / 32; b++) {
+        const uint8_t *blk = row + (size_t)(e0 / 32 + b) * bytes;
+        __m512i v;
+        scale[16 * b] = mb_half(blk);
+        if (type == MB_GGML_Q8_0) {
+            v = mb_amx_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+        } else if (type == MB_GGML_Q4_0) {
+            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 2, 0, 0), tab);
+        } else if (type == MB_GGML_Q5_0) {
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 6, qh, 1), tab);
+        } else if (type == MB_GGML_Q4_1) {
+            mins[16 * b] = mb_half(blk + 2);
+            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 4, 0, 0), tab);
+        } else { /* Q5_1 */
+            uint32_t qh;
+            memcpy(&qh, blk + 4, 4);
+            mins[16 * b] = mb_half(blk + 2);
+            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 8, qh, 1), tab);
+        }
+        _mm512_storeu_si512(out + 32 * b, v);
+    }
+}
+
+/* wide [16 outputs][256] bfloat16 -> B [pairs][16 outputs] dwords: 16 x 16 dword
+ * transposes (two unpack stages within 128-bit lanes, then the 4 x 4 of lanes) */
+MB_AMX_INLINE void mb_amx_transpose(const uint16_t *wide, int32_t pairs, uint32_t *B) {
+    for (int32_t p0 = 0; p0 < pairs; p0 += 16) {
+        __m512i r[16], t[16];
+        for (int o = 0; o < 16; o++)
+            r[o] = _mm512_loadu_si512(wide + 256 * o + 2 * p0);
+        for (int i = 0; i < 8; i++) {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) { /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
+            r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+            r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+            __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+            __m512i e = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+            _mm512_storeu_si512(B + 16 * (p0 + j), _mm512_shuffle_i32x4(a, c, 0x88));
+            _mm512_storeu_si512(B + 16 * (p0 + 4 + j), _mm512_shuffle_i32x4(a, c, 0xdd));
+            _mm512_storeu_si512(B + 16 * (p0 + 8 + j), _mm512_shuffle_i32x4(b, e, 0x88));
+            _mm512_storeu_si512(B + 16 * (p0 + 12 + j), _mm512_shuffle_i32x4(b, e, 0xdd));
+        }
+    }
+}
+
+/* rows [r, r + nrows) of x's columns [e0, e0 + elems) into pad [16][MB_AMX_CHUNK], rows
+ * past nrows zero: a short last tile's A */
+static void mb_amx_pad(const uint16_t *x, int64_t ldx, int32_t r, int32_t nrows, int32_t e0, int32_t elems,
+                       uint16_t *pad) {
+    memset(pad, 0, sizeof(uint16_t) * 16 * MB_AMX_CHUNK);
+    for (int32_t i = 0; i < nrows; i++)
+        memcpy(pad + (size_t)i * MB_AMX_CHUNK, x + (size_t)(r + i) * ldx + e0, sizeof(uint16_t) * (size_t)elems);
+}
+
+/* One sub-block on tiles C, A, B: C = tdp(A at a, B at b), stored to cbuf [16][16] */
+#define MB_AMX_TDP(C, A, B, a, lda, b, cbuf)  \
+    do {                                      \
+        _tile_zero(C);                        \
+        _tile_loadd(A, (a), (lda));           \
+        _tile_loadd(B, (b), 64);              \
+        _tile_dpbf16ps(C, A, B);              \
+        _tile_stored(C, (cbuf), 64);          \
+    } while (0)
+
+/* acc[r] (16 outputs in lanes) = fma(P[r], scale, acc[r]), then the min term */
+MB_AMX_INLINE void mb_amx_fold(__m512 acc[16], const float *cbuf, const float *scale, const float *mins,
+                               const float *sx, int64_t ld_sx, const int has_min) {
+    __m512 s = _mm512_loadu_ps(scale);
+    for (int r = 0; r < 16; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), s, acc[r]);
+    if (has_min) {
+        __m512 mv = _mm512_loadu_ps(mins);
+        for (int r = 0; r < 16; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[(size_t)r * ld_sx]), mv, acc[r]);
+    }
+}
+
+MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
+                               const int32_t type) {
+    const int has_min = j->fmt.has_min, L = j->fmt.sub;
+    const int64_t subs_row = j->k / L; /* sx's row stride */
+    uint16_t wide[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
+    uint32_t B[MB_AMX_CHUNK / 2 * 16] __attribute__((aligned(64)));
+    uint16_t pad[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
+    float scale[16 * 16] __attribute__((aligned(64))), mins[16 * 16] __attribute__((aligned(64)));
+    float cbuf[2][256] __attribute__((aligned(64)));
+    __m512 park[MB_AMX_ROWS] __attribute__((aligned(64)));
+    const uint8_t *wr[16];
+    for (int o = 0; o < 16; o++) /* past the item's outputs, its last row again (never stored) */
+        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+    for (int32_t e0 = 0; e0 < j->k; e0 += MB_AMX_CHUNK) {
+        const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L;
+        for (int o = 0; o < 16; o++)
+            mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
+        mb_amx_transpose(wide, elems / 2, B);
+        for (int32_t t = 0; t < rows; t += 16) {
+            const int32_t nrows = rows - t < 16 ? rows - t : 16;
+            const uint16_t *a;
+            int64_t lda;
+            if (nrows == 16) {
+                a = j->x + (size_t)(r0 + t) * j->ldx + e0, lda = 2 * j->ldx;
+            } else {
+                mb_amx_pad(j->x, j->ldx, r0 + t, nrows, e0, elems, pad);
+                a = pad, lda = 2 * MB_AMX_CHUNK;
+            }
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++)
+                acc[r] = e0 == 0 ? _mm512_setzero_ps() : park[t + r];
+            const float *sx = has_min ? j->sx + (size_t)(r0 + t) * subs_row + e0 / L : NULL;
+            int32_t s = 0;
+            for (; s + 2 <= subs; s += 2) { /* two result tiles in flight */
+                MB_AMX_TDP(0, 2, 4, a + s * L, lda, B + 16 * (s * L / 2), cbuf[0]);
+                MB_AMX_TDP(1, 3, 5, a + (s + 1) * L, lda, B + 16 * ((s + 1) * L / 2), cbuf[1]);
+                mb_amx_fold(acc, cbuf[0], scale + 16 * s, mins + 16 * s, (has_min ? sx + s : NULL), subs_row, has_min);
+                mb_amx_fold(acc, cbuf[1], scale + 16 * (s + 1), mins + 16 * (s + 1), (has_min ? sx + s + 1 : NULL),
+                            subs_row, has_min);
+            }
+            if (s < subs) {
+                MB_AMX_TDP(0, 2, 4, a + s * L, lda, B + 16 * (s * L / 2), cbuf[0]);
+                mb_amx_fold(acc, cbuf[0], scale + 16 * s, mins + 16 * s, (has_min ? sx + s : NULL), subs_row, has_min);
+            }
+            for (int r = 0; r < 16; r++)
+                park[t + r] = acc[r];
+        }
+    }
+    for (int32_t r = 0; r < rows; r++) {
+        float v[16];
+        _mm512_storeu_ps(v, park[r]);
+        for (int o = 0; o < outs; o++)
+            mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r0 + r, c0 + o, v[o]);
+    }
+}
+
+#define MB_AMX_RUN(NAME, T)                                                                              \
+    static MB_AMX_TARGET void NAME(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0,     \
+                                   int32_t outs) {                                                       \
+        mb_amx_item(j, r0, rows, c0, outs, T);                                                           \
+    }
+
+MB_AMX_RUN(mb_amx_run_q8_0, MB_GGML_Q8_0)
+MB_AMX_RUN(mb_amx_run_q4_0, MB_GGML_Q4_0)
+MB_AMX_RUN(mb_amx_run_q4_1, MB_GGML_Q4_1)
+MB_AMX_RUN(mb_amx_run_q5_0, MB_GGML_Q5_0)
+MB_AMX_RUN(mb_amx_run_q5_1, MB_GGML_Q5_1)
+MB_AMX_RUN(mb_amx_run_q4_k, MB_GGML_Q4_K)
+MB_AMX_RUN(mb_amx_run_q5_k, MB_GGML_Q5_K)
+MB_AMX_RUN(mb_amx_run_q6_k, MB_GGML_Q6_K)
+
+static MB_AMX_TARGET void mb_amx_worker(void *data) {
+    struct mb_amx_job *j = (struct mb_amx_job *)data;
+    void (*run)(const struct mb_amx_job *, int32_t, int32_t, int32_t, int32_t) =
+        j->type == MB_GGML_Q8_0 ? mb_amx_run_q8_0 : j->type == MB_GGML_Q4_0 ? mb_amx_run_q4_0
+        : j->type == MB_GGML_Q4_1 ? mb_amx_run_q4_1 : j->type == MB_GGML_Q5_0 ? mb_amx_run_q5_0
+        : j->type == MB_GGML_Q5_1 ? mb_amx_run_q5_1 : j->type == MB_GGML_Q4_K ? mb_amx_run_q4_k
+        : j->type == MB_GGML_Q5_K ? mb_amx_run_q5_k : mb_amx_run_q6_k;
+    int configured = 0;
+    for (;;) {
+        int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
+        if (take == 0)
+            break;
+        if (!configured)
+            mb_amx_configure(j->fmt.sub), configured = 1;
+        for (int64_t i = first; i < first + take; i++) {
+            int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
+            int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_AMX_OUTS;
+            run(j, r0, j->m - r0 < MB_AMX_ROWS ? j->m - r0 : MB_AMX_ROWS, c0,
+                j->n - c0 < MB_AMX_OUTS ? j->n - c0 : MB_AMX_OUTS);
+        }
+    }
+    if (configured)
+        _tile_release();
+}
+
+/* sx[r, s] = tdp(x row r's sub-block s, ones) for the L = 32 sub-blocks, in the caller's
+ * thread: the min terms' sums, the same instruction as the products' */
+static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, float *sx) {
+    uint32_t ones[16 * 16] __attribute__((aligned(64)));
+    uint16_t pad[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
+    float cbuf[256] __attribute__((aligned(64)));
+    const int32_t subs = k / 32;
+    for (int i = 0; i < 256; i++)
+        ones[i] = 0x3f803f80u; /* (1.0, 1.0) in bfloat16 */
+    mb_amx_configure(32);
+    _tile_loadd(4, ones, 64);
+    for (int32_t r = 0; r < m; r += 16) {
+        const int32_t nrows = m - r < 16 ? m - r : 16;
+        for (int32_t e0 = 0; e0 < k; e0 += MB_AMX_CHUNK) {
+            const int32_t elems = k - e0 < MB_AMX_CHUNK ? k - e0 : MB_AMX_CHUNK;
+            const uint16_t *a = x + (size_t)r * ldx + e0;
+            int64_t lda = 2 * ldx;
+            if (nrows < 16)
+                mb_amx_pad(x, ldx, r, nrows, e0, elems, pad), a = pad, lda = 2 * MB_AMX_CHUNK;
+            for (int32_t s = 0; s < elems / 32; s++) {
+                _tile_zero(0);
+                _tile_loadd(2, a + 32 * s, lda);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_stored(0, cbuf, 64);
+                for (int32_t i = 0; i < nrows; i++)
+                    sx[(size_t)(r + i) * subs + e0 / 32 + s] = cbuf[16 * i];
+            }
+        }
+    }
+    _tile_release();
+}
+
+int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
+    struct mb_amx_job j;
+    memset(&j, 0, sizeof j);
+    if (!mb_amx_format(type, &j.fmt) || m < 1 || n < 1 || k < j.fmt.block || k % j.fmt.block || ldx < k ||
+        ldy < n || row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || y_mode < MB_Y_BF16 ||
+        y_mode > MB_Y_ADD_BF16 || !mb_amx_supported())
+        return MB_EINVAL;
+    j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.x = x, j.ldx = ldx, j.m = m;
+    j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    float *sx = NULL;
+    if (j.fmt.has_min) {
+        sx = (float *)malloc(sizeof(float) * (size_t)m * (size_t)(k / 32));
+        if (sx == NULL)
+            return MB_ESCRATCH;
+        mb_amx_xsums(x, ldx, m, k, sx);
+        j.sx = sx;
+    }
+    j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
+    j.chunks = (m + MB_AMX_ROWS - 1) / MB_AMX_ROWS;
+    j.items = (int64_t)j.groups * j.chunks;
+#ifdef MB_ATOMICS
+    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
+#else
+    j.threads = 1;
+#endif
+    if (j.threads > 1)
+        ((mb_parallel_fn)parallel)(mb_amx_worker, &j, (unsigned)threads, 0);
+    else
+        mb_amx_worker(&j);
+    free(sx);
+    return MB_OK;
+}
+
+#else /* no AMX build */
+
+int mb_amx_supported(void) { return 0; }
+
+int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
+    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;
+    (void)y, (void)y_mode, (void)ldy, (void)parallel, (void)threads;
+    return MB_EINVAL;
+}
+
+#endif

@@ -1,0 +1,54 @@
+/* Internal to csrc/: reading the parts of ggml's blocks that every GGUF kernel needs
+ * (ggml-common.h's layouts): float16 fields, Q4_K / Q5_K's packed 6-bit scales and
+ * mins, and the y modes' store. Not part of the C API in mashbox.h. */
+#ifndef MASHBOX_GGML_BLOCKS_H
+#define MASHBOX_GGML_BLOCKS_H
+
+#include "mashbox.h"
+#include "bf16.h"
+
+#include <stdint.h>
+
+/* The little-endian IEEE half at p, as float32 (exact). */
+static inline float mb_half(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (e == 0) { /* zero or subnormal: mant * 2^-24 */
+        float v = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    if (e == 31)
+        return mb_bits_f32(sign | 0x7f800000u | (mant << 13));
+    return mb_bits_f32(sign | ((e + 112u) << 23) | (mant << 13));
+}
+
+/* Q4_K / Q5_K: the eight sub-blocks' 6-bit scale sc[j] and min mn[j] from the 12 bytes
+ * s (sub-blocks 0..3: low 6 bits of bytes j and j + 4; 4..7: 4 bits of byte j + 4 and
+ * the top 2 bits of bytes j - 4 and j). */
+static inline void mb_k_scales(const uint8_t *s, uint32_t sc[8], uint32_t mn[8]) {
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            sc[j] = s[j] & 63u, mn[j] = s[j + 4] & 63u;
+        } else {
+            sc[j] = (s[j + 4] & 0xfu) | ((uint32_t)(s[j - 4] >> 6) << 4);
+            mn[j] = (uint32_t)(s[j + 4] >> 4) | ((uint32_t)(s[j] >> 6) << 4);
+        }
+    }
+}
+
+/* Output (r, c) of a linear: acc + bias[c] (bias may be NULL), written as y_mode says
+ * (MB_Y_*), y's rows ldy apart. */
+static inline void mb_y_store(void *y, int32_t y_mode, int64_t ldy, const float *bias, int32_t r, int32_t c,
+                              float acc) {
+    if (bias)
+        acc = acc + bias[c];
+    size_t at = (size_t)r * ldy + c;
+    if (y_mode == MB_Y_F32)
+        ((float *)y)[at] = acc;
+    else if (y_mode == MB_Y_ADD_BF16)
+        ((uint16_t *)y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)y)[at]) + acc);
+    else
+        ((uint16_t *)y)[at] = mb_round_bf16(acc);
+}
+
+#endif

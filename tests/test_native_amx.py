@@ -1,0 +1,128 @@
+"""Prompt rows of the GGUF linears on AMX tiles (csrc/amx.c): the kernel against
+native_ref.q_linear_tiles bit for bit on every block type (the reference built on
+gguf-py's dequantization), the reference against gguf's values, and batch invariance (a
+row's bits never depend on m, its neighbours or the threads). The kernel tests skip on a
+CPU without AMX-BF16 tiles, where the decoder never takes the tile rule."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
+
+from mashbox import native, native_ref
+
+TYPES = [native.Q8_0, native.Q4_0, native.Q4_1, native.Q5_0, native.Q5_1, native.Q4_K, native.Q5_K, native.Q6_K]
+TYPE_IDS = [gguf.GGMLQuantizationType(t).name for t in TYPES]
+BLOCK = {t: 256 if t in native_ref.KQ_BLOCK_BYTES else 32 for t in TYPES}
+
+amx = pytest.mark.skipif(not native.amx_supported(), reason="no AMX-BF16 tiles on this CPU (or OS)")
+
+
+def _rows(rng: np.random.Generator, qtype: int, n: int, blocks: int) -> np.ndarray:
+    """uint8[n, row bytes]: every bit pattern of the integers and scales, with the float16
+    d (and m, dmin) of real models' sizes, a few of them subnormal."""
+    size = native_ref.KQ_BLOCK_BYTES.get(qtype) or native_ref.Q_FORMATS[qtype][0]
+    w = rng.integers(0, 256, (n, blocks, size), dtype=np.uint8)
+
+    def half(shape, scale):
+        return (rng.standard_normal(shape) * scale * 10.0 ** rng.integers(-6, 0, shape)).astype(np.float16) \
+            .view(np.uint8).reshape(shape + (2,))
+
+    d_at = 208 if qtype == native.Q6_K else 0
+    w[..., d_at:d_at + 2] = half((n, blocks), 10)
+    m_at = 2 if qtype in (native.Q4_K, native.Q5_K) else native_ref.Q_FORMATS.get(qtype, (0, None))[1]
+    if m_at is not None:
+        w[..., m_at:m_at + 2] = half((n, blocks), 10)
+    return w.reshape(n, blocks * size)
+
+
+def _x(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    """bfloat16 bits: normal values of varied scale per row, zeros and denormals (read as zero)."""
+    x = native_ref.f32_to_bf16((rng.standard_normal((m, k)) * 2.0 ** rng.integers(-20, 20, (m, 1))).astype(np.float32))
+    x[rng.random((m, k)) < 0.05] = 0
+    x[rng.random((m, k)) < 0.02] = rng.integers(1, 128, dtype=np.uint16)  # denormal bits
+    return x
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bits, but +0 and -0 are one (the rule leaves an underflow's zero sign open)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits, sign = (np.uint32, 0x7FFFFFFF) if a.dtype == np.float32 else (np.uint16, 0x7FFF)
+    u, v = a.view(bits), b.view(bits)
+    return bool(np.all((u == v) | (((u & bits(sign)) == 0) & ((v & bits(sign)) == 0))))
+
+
+@st.composite
+def _problem(draw):
+    qtype = draw(st.sampled_from(TYPES))
+    m, n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    blocks = draw(st.integers(1, 3 if BLOCK[qtype] == 256 else 20))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    bias = draw(st.none() | hnp.arrays(np.float32, (n,), elements=st.floats(-1e3, 1e3, width=32)))
+    mode = draw(st.sampled_from(["bf16", "f32", "add"]))
+    add_to = native_ref.f32_to_bf16(rng.standard_normal((m, n)).astype(np.float32)) if mode == "add" else None
+    return qtype, _rows(rng, qtype, n, blocks), _x(rng, m, blocks * BLOCK[qtype]), bias, mode == "f32", add_to
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_parts_are_ggufs_dequantization(qtype):
+    """q * scale + min, the parts the tile rule multiplies, is gguf's value exactly."""
+    rng = np.random.default_rng(qtype)
+    w = _rows(rng, qtype, 5, 3)
+    q, scale, mins = native_ref.tile_parts(qtype, w)
+    want = gguf.quants.dequantize(w, gguf.GGMLQuantizationType(qtype)).reshape(q.shape)
+    got = q * scale[..., None] + (0 if mins is None else mins[..., None])
+    assert np.array_equal(got, want)
+    assert np.array_equal(q, np.round(q)) and np.abs(q).max() <= 128  # exact in bfloat16
+
+
+@amx
+@settings(max_examples=120, deadline=None)
+@given(_problem())
+def test_kernel_matches_the_reference(problem):
+    qtype, w, x, bias, y_f32, add_to = problem
+    want = native_ref.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
+    got = native.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
+    assert _same(got, want)
+
+
+@amx
+def test_reference_order_is_the_hardwares():
+    """Sums that cancel (values of 2^-20 .. 2^20 in one sub-block) separate one order of
+    the adds from another: the kernel and the reference agree on each, so the order the
+    reference states is the one TDPBF16PS runs."""
+    rng = np.random.default_rng(7)
+    x = native_ref.f32_to_bf16((rng.standard_normal((16, 64)) * 2.0 ** rng.integers(-20, 20, (16, 64)))
+                               .astype(np.float32))
+    w = _rows(rng, native.Q8_0, 16, 2)
+    want = native_ref.q_linear_tiles(native.Q8_0, w, x, y_f32=True)
+    assert _same(native.q_linear_tiles(native.Q8_0, w, x, y_f32=True), want)
+    other = native_ref.q_linear(native.Q8_0, w, x, y_f32=True)  # the vdpbf16ps rule: another order
+    assert not _same(other, want)
+
+
+@amx
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_rows_do_not_depend_on_their_batch(qtype):
+    """Each row alone, in any slice, and the whole batch on two threads: the same bits (the
+    row tiles of 16 and the work items of 256 rows are where a dependence would show)."""
+    rng = np.random.default_rng(qtype + 100)
+    k = 2 * BLOCK[qtype] if BLOCK[qtype] == 256 else 96
+    w, x = _rows(rng, qtype, 37, k // BLOCK[qtype]), _x(rng, 300, k)
+    from mashbox.model import csrc
+
+    whole = native.q_linear_tiles(qtype, w, x, y_f32=True, parallel=csrc.parallel(), threads=2)
+    for lo, hi in ((0, 1), (5, 6), (17, 33), (250, 300), (0, 300)):
+        assert _same(native.q_linear_tiles(qtype, w, x[lo:hi], y_f32=True), whole[lo:hi])
+
+
+@amx
+def test_bad_shapes_are_refused_before_c():
+    w = _rows(np.random.default_rng(0), native.Q4_K, 4, 1)
+    with pytest.raises(ValueError, match="w must be"):
+        native.q_linear_tiles(native.Q4_K, w, np.zeros((2, 128), np.uint16))
+    with pytest.raises(ValueError, match="q_linear_tiles"):  # C's own check: ldx < k
+        native.q_linear_tiles_ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, 0, 1)
