@@ -358,3 +358,16 @@ def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias:
         native.q_linear_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
                             0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
                             kernel, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
+
+
+def q_linear_tiles(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
+                   y: torch.Tensor, mode: int) -> None:
+    """q_linear's y by the tile rule on AMX tiles (csrc/amx.c): the prompt rows' kernel,
+    where native.amx_supported()."""
+    _rows(x, "x", torch.bfloat16, k)
+    row_bytes = _blocks(w, qtype, n, k)
+    m = _linear_out(x, bias, y, mode, n)
+    if m:
+        native.q_linear_tiles_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
+                                  0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
+                                  _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())

@@ -237,6 +237,7 @@ class Decoder:
         instead (other logits than dense, still batch invariant); a weight whose input
         size the int4 groups do not divide stays dense."""
         kind, kernel = self.kernels.linears, self.kernels.kernel
+        tiles = self.kernels.prompt_linears == "amx"  # prompt rows on AMX tiles (QuantLinear)
         arena = None
         if kind == "csrc" and weights in ("dense", "gguf"):
             order = [w for p in parts for w in (*_split(p.qkv), p.o, p.gate_up, p.down)] + [self._head]
@@ -248,10 +249,10 @@ class Decoder:
             if isinstance(w, tuple):  # q|k and v blocks of two types
                 qk, v = w
                 into = None if arena is None else (arena.take(qk.nbytes), arena.take(v.nbytes))
-                return QkvSplit(qk, v, bias, kernel=kernel or None, into=into)
+                return QkvSplit(qk, v, bias, kernel=kernel or None, into=into, tiles=tiles)
             if isinstance(w, BlockWeight):
                 into = None if arena is None else arena.take(w.nbytes)
-                return QuantLinear(w, bias, kernel=kernel or None, into=into)
+                return QuantLinear(w, bias, kernel=kernel or None, into=into, tiles=tiles)
             if fmt == "int4" and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 8 == 0:
                 return Int4Weight.of(w, bias)
             if fmt == "int8":
@@ -319,7 +320,9 @@ class Decoder:
             ids = F.pad(ids, (0, Tp - T))
             positions = F.pad(positions, (0, Tp - T))
         x = self._embed(ids)  # [Tp, hidden]
-        x = self.loop.run(x, Step(T, Tp, batch.positions, positions, plan, cache, self._rope_table(cache.ctx)))
+        prompt = _prompt_runs(batch) if self.kernels.prompt_linears == "amx" else ()
+        x = self.loop.run(x, Step(T, Tp, batch.positions, positions, plan, cache, self._rope_table(cache.ctx),
+                                  prompt))
         last = x[plan.last_tokens]  # [rows, hidden]
         rows = last.shape[0]
         if self.batch_invariant and rows < self._min_rows:
@@ -345,6 +348,21 @@ class Decoder:
 #   than 4 rows (both dtypes). Query blocks are 32, 64, 128 or 256 rows, so
 #   attention_plan.padded_queries keeps every block at 4 rows or more.
 _MIN_ROWS = {torch.float32: 2, torch.bfloat16: 2}
+
+
+def _prompt_runs(batch: Batch) -> tuple[tuple[int, int], ...]:
+    """The [t0, t1) runs of the batch's prompt tokens (rows not flagged decode), adjacent
+    rows merged: what the linears run by their prompt rule (model/linear.py)."""
+    runs: list[tuple[int, int]] = []
+    t0 = 0
+    for i, n in enumerate(batch.row_lens):
+        if not (batch.row_decode and batch.row_decode[i]):
+            if runs and runs[-1][1] == t0:
+                runs[-1] = (runs[-1][0], t0 + n)
+            else:
+                runs.append((t0, t0 + n))
+        t0 += n
+    return tuple(runs)
 
 
 def _split(w) -> tuple:

@@ -1,6 +1,6 @@
 """Kernels: what a Decoder runs on, chosen once at its construction.
 
-Five choices, each a field; "auto" (and kernel 0) picks the fastest that runs here:
+Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs here:
 - linears: bfloat16 dense linears on csrc's kernel ("csrc": model/linear.py's
   BF16Linear, with the norms, rope and activation in csrc too: model/row_ops.py), on
   oneDNN-packed weights ("onednn"), or plain F.linear ("torch"). float32 and CUDA never
@@ -16,6 +16,12 @@ Five choices, each a field; "auto" (and kernel 0) picks the fastest that runs he
 - layers: a step whose rows all decode on csrc's attention runs every layer in one C
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
+- prompt_linears: the GGUF linears' prompt rows (every row not flagged in
+  Batch.row_decode) on AMX tiles ("amx": csrc/amx.c's tile rule, several times the
+  vdpbf16ps kernels' speed at prefill) or on the decode rows' kernel ("same"). "auto"
+  takes amx for weights gguf on csrc's linears where the tiles run
+  (native.amx_supported()) and the kernel is the AVX512-BF16 one. A row's bits depend on
+  its kind alone, so chunked prefill and batching stay invariant either way.
 - kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16, or
   native.KERNEL_PORTABLE: plain C on any CPU, the same bits, slow: what the tests force
   on a machine without AVX512-BF16). 0: the fastest here; "auto" takes csrc only where
@@ -38,6 +44,7 @@ LINEARS = ("auto", "csrc", "onednn", "torch")
 ATTENTION = ("auto", "csrc", "sdpa")
 PREFILL = ("auto", "csrc", "sdpa")
 LAYERS = ("auto", "c", "python")
+PROMPT_LINEARS = ("auto", "amx", "same")
 KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
 
 
@@ -48,11 +55,13 @@ class Kernels:
     layers: str = "auto"
     kernel: int = 0
     prefill: str = "auto"
+    prompt_linears: str = "auto"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("linears", self.linears, LINEARS), ("attention", self.attention, ATTENTION),
                                      ("layers", self.layers, LAYERS), ("kernel", self.kernel, KERNELS),
-                                     ("prefill", self.prefill, PREFILL)):
+                                     ("prefill", self.prefill, PREFILL),
+                                     ("prompt_linears", self.prompt_linears, PROMPT_LINEARS)):
             if value not in allowed:
                 raise ModelError(f"kernels.{name} must be one of {', '.join(map(str, allowed))}, not {value!r}")
 
@@ -106,6 +115,13 @@ class Kernels:
         elif layers == "c" and not in_c:
             raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
+        tiles = linears == "csrc" and weights == "gguf" and native.amx_supported()
+        prompt_linears = self.prompt_linears
+        if prompt_linears == "auto":
+            prompt_linears = "amx" if tiles and kernel == native.KERNEL_AVX512BF16 else "same"
+        elif prompt_linears == "amx" and not tiles:
+            raise ModelError("kernels.prompt_linears amx needs weights gguf on csrc's linears and a CPU with "
+                             "AMX-BF16 tiles that the OS lets this process use")
         uses_csrc = linears == "csrc" or att == "csrc"
         return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0,
-                       prefill=prefill)
+                       prefill=prefill, prompt_linears=prompt_linears)

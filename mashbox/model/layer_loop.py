@@ -11,6 +11,8 @@ Per layer, for x [Tp, hidden] (the residual stream, updated in place):
     h = norm(x); qkv = h @ qkv.T (+ bias); [q/k norm]; rope of q and k, K/V cache write;
     attention of every row over its slot; x += attn @ o.T (+ bias);
     h = norm(x); x += act(h @ gate_up.T) @ down.T
+Each linear is told the step's prompt runs (Step.prompt), which a GGUF linear on AMX
+tiles runs by its prompt rule (model/linear.py).
 
 Buffers made once, at construction, for the most rows a step can have (StepLimits,
 which the runner derives from its scheduler's token budget and its slots) and never
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from mashbox.model import csrc
 from mashbox.model.attention_plan import AttentionPlan
 from mashbox.model.kv_cache import KVCache
-from mashbox.model.linear import BF16Linear, Linear, QkvSplit, QuantLinear
+from mashbox.model.linear import BF16Linear, Linear, PromptRuns, QkvSplit, QuantLinear
 from mashbox.model.model_config import ModelConfig
 from mashbox.model.rope import RopeTable
 from mashbox.model.row_ops import CsrcRowOps, TorchRowOps
@@ -69,6 +71,9 @@ class Step:
     plan: AttentionPlan
     cache: KVCache
     rope: RopeTable
+    # [t0, t1) runs of prompt rows (not decode rows) where the linears have a prompt rule
+    # of their own (Kernels.prompt_linears "amx"); else () and every row takes one rule
+    prompt: PromptRuns = ()
 
 
 class PythonLayers:
@@ -100,10 +105,10 @@ class PythonLayers:
         H, KV, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         tables = ops.tables(step.rope, step.padded_positions)
         attn = self._attention_out(T, Tp)
-        cache, plan = step.cache, step.plan
+        cache, plan, runs = step.cache, step.plan, step.prompt
         for li, layer in enumerate(self.layers):
             h = ops.norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h)  # [Tp, (heads + 2 kv_heads) * head_dim]
+            qkv = layer.qkv(h, prompt=runs)  # [Tp, (heads + 2 kv_heads) * head_dim]
             qk = None
             if layer.qk_norm is not None:
                 qk = qkv[:, : c.q_size + c.kv_size].view(Tp, H + KV, D)
@@ -111,9 +116,9 @@ class PythonLayers:
             k_cache, v_cache = cache.k[li], cache.v[li]  # [slots, kv_heads, capacity, head_dim]
             q = ops.rope_kv(qkv, qk, T, tables, step.positions, plan.token_slots, k_cache, v_cache)
             plan.attend(q, k_cache, v_cache, attn)
-            layer.o.add_into(attn, x)
+            layer.o.add_into(attn, x, prompt=runs)
             h = ops.norm(x, layer.post_norm, eps)
-            layer.down.add_into(ops.act(layer.gate_up(h)), x)
+            layer.down.add_into(ops.act(layer.gate_up(h, prompt=runs)), x, prompt=runs)
         return x
 
 

@@ -1,8 +1,14 @@
 """The forms a decoder's linear weight takes, each chosen once when the weight is packed
 (decoder.py), each with the same two calls:
 
-    w(x) -> y              x [M, in] -> [M, out] (+ bias)
-    w.add_into(x, y)       y [M, out] += x @ w.T (+ bias) in place: the residual add
+    w(x, prompt=()) -> y            x [M, in] -> [M, out] (+ bias)
+    w.add_into(x, y, prompt=())     y [M, out] += x @ w.T (+ bias) in place: the residual add
+
+prompt: the runs [t0, t1) of x's rows that are prompt rows (PromptRuns). A form with a
+rule of its own for them (QuantLinear on AMX tiles) runs them by it and the other rows
+by its decode rule; every other form has one rule for all rows and ignores it. A row's
+bits then depend on its own kind only, never on its neighbours: a prompt token gets the
+same bits however its prompt is chunked, a decode row the same in any batch.
 
 - BF16Linear: mashbox's own bfloat16 kernel (csrc/linear.c, through model/csrc.py).
   Every output is one float32 accumulator over the inputs in a fixed order, so a row's
@@ -13,7 +19,10 @@
   the cores. add_into adds in place, rounded once.
 - QuantLinear: a GGUF weight kept in its file's quantized blocks (model/block_weight.py),
   on csrc's mb_q_linear (csrc/quant.c): the same calls, the same batch invariance, a
-  fraction of the bytes per step; activations stay exact bfloat16.
+  fraction of the bytes per step; activations stay exact bfloat16. With tiles (chosen
+  once: model/kernels.py's prompt_linears), its prompt rows run on AMX tiles
+  (csrc/amx.c's mb_q_linear_tiles: the tile rule, other bits, several times the speed
+  at prefill); decode rows stay on mb_q_linear.
 - QkvSplit: q|k|v of a GGUF whose v is in another block type than q and k (Q4_K_M: q, k
   Q4_K, v Q6_K): two QuantLinears writing their columns of one y, instead of one weight
   dequantized to bfloat16 (3.4x the bytes of its blocks, read every step).
@@ -39,6 +48,8 @@ from mashbox.model import csrc
 from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
+
+PromptRuns = tuple[tuple[int, int], ...]  # [t0, t1) runs of prompt rows, in order, disjoint
 
 
 def bf16_kernel_available() -> bool:
@@ -87,8 +98,9 @@ class BF16Linear:
     def packed_bytes(w: torch.Tensor) -> int:
         return csrc.packed_bytes(int(w.shape[0]), int(w.shape[1]))
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, prompt: PromptRuns = ()) -> torch.Tensor:
+        """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32); one rule for
+        every row (prompt ignored)."""
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         self._run(x, y, native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16)
         return y
@@ -101,7 +113,7 @@ class BF16Linear:
         csrc.gather_rows(self.packed, self.n, self.k, ids, out)
         return out
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
         _check_residual(x, y, self.n)
         self._run(x, y, native.Y_ADD_BF16)
@@ -116,11 +128,15 @@ class QuantLinear:
     """A [out, in] weight in GGUF blocks (copied once, into the arena when given) and its
     float32 bias, for mb_q_linear."""
 
-    __slots__ = ("n", "k", "qtype", "blocks", "bias", "kernel")
+    __slots__ = ("n", "k", "qtype", "blocks", "bias", "kernel", "tiles")
 
     def __init__(self, w: BlockWeight, bias: Optional[torch.Tensor] = None, kernel: Optional[int] = None,
-                 into: Optional[torch.Tensor] = None) -> None:
-        """into: where the blocks go (w.nbytes bytes of a WeightArena), else a copy of its own."""
+                 into: Optional[torch.Tensor] = None, tiles: bool = False) -> None:
+        """into: where the blocks go (w.nbytes bytes of a WeightArena), else a copy of its own;
+        tiles: prompt rows on AMX tiles (csrc/amx.c; needs native.amx_supported())."""
+        if tiles and not native.amx_supported():
+            raise ValueError("QuantLinear: tiles need AMX-BF16 tiles (native.amx_supported())")
+        self.tiles = tiles
         csrc.parallel()
         self.n, self.k = w.shape
         self.qtype = w.qtype
@@ -134,10 +150,10 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
         self.kernel = native.bf16_kernel() if kernel is None else kernel
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, prompt: PromptRuns = ()) -> torch.Tensor:
         """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
-        self._run(x, y, native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16)
+        self._run(x, y, native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16, prompt)
         return y
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -145,15 +161,29 @@ class QuantLinear:
         name = next(k for k, v in GGML_TYPES.items() if v == self.qtype)
         return BlockWeight(name, self.blocks, (self.n, self.k)).rows(ids.to(torch.int64), torch.bfloat16)
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
         _check_residual(x, y, self.n)
-        self._run(x, y, native.Y_ADD_BF16)
+        self._run(x, y, native.Y_ADD_BF16, prompt)
 
-    def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int) -> None:
+    def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int, prompt: PromptRuns = ()) -> None:
+        """y's rows by their kind: the prompt runs on the tiles (where self.tiles), the rows
+        between them on mb_q_linear; y [M, out] may be a column slice (QkvSplit's)."""
         if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
             x = x.to(torch.bfloat16).contiguous()
-        csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x, self.bias, y, mode, self.kernel)
+        if not (self.tiles and prompt):
+            csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x, self.bias, y, mode, self.kernel)
+            return
+        at, m = 0, x.shape[0]
+        for t0, t1 in prompt:
+            if not at <= t0 < t1 <= m:
+                raise ValueError(f"prompt runs must be ordered, disjoint and within {m} rows, got {prompt}")
+            if t0 > at:
+                csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:t0], self.bias, y[at:t0], mode, self.kernel)
+            csrc.q_linear_tiles(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
+            at = t1
+        if at < m:
+            csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:], self.bias, y[at:], mode, self.kernel)
 
 
 class QkvSplit:
@@ -164,30 +194,32 @@ class QkvSplit:
     __slots__ = ("qk", "v", "n", "k", "bias")
 
     def __init__(self, qk: BlockWeight, v: BlockWeight, bias: Optional[torch.Tensor] = None,
-                 kernel: Optional[int] = None, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-        """into: where each part's blocks go (qk.nbytes, v.nbytes bytes of a WeightArena)."""
+                 kernel: Optional[int] = None, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 tiles: bool = False) -> None:
+        """into: where each part's blocks go (qk.nbytes, v.nbytes bytes of a WeightArena);
+        tiles: as QuantLinear's."""
         if qk.shape[1] != v.shape[1]:
             raise ValueError(f"QkvSplit: q|k takes {qk.shape[1]} inputs, v {v.shape[1]}")
         nqk = qk.shape[0]
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
         parts = (None, None) if into is None else into
-        self.qk = QuantLinear(qk, None if self.bias is None else self.bias[:nqk], kernel, parts[0])
-        self.v = QuantLinear(v, None if self.bias is None else self.bias[nqk:], kernel, parts[1])
+        self.qk = QuantLinear(qk, None if self.bias is None else self.bias[:nqk], kernel, parts[0], tiles)
+        self.v = QuantLinear(v, None if self.bias is None else self.bias[nqk:], kernel, parts[1], tiles)
         self.n, self.k = nqk + v.shape[0], qk.shape[1]
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, prompt: PromptRuns = ()) -> torch.Tensor:
         """x [M, in] bfloat16 -> [M, out] of out_dtype (bfloat16 or float32)."""
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         mode = native.Y_F32 if out_dtype == torch.float32 else native.Y_BF16
-        self.qk._run(x, y[:, :self.qk.n], mode)
-        self.v._run(x, y[:, self.qk.n:], mode)
+        self.qk._run(x, y[:, :self.qk.n], mode, prompt)
+        self.v._run(x, y[:, self.qk.n:], mode, prompt)
         return y
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         """y [M, out] bfloat16, contiguous += x [M, in] @ w.T (+ bias), rounded once."""
         _check_residual(x, y, self.n)
-        self.qk._run(x, y[:, :self.qk.n], native.Y_ADD_BF16)
-        self.v._run(x, y[:, self.qk.n:], native.Y_ADD_BF16)
+        self.qk._run(x, y[:, :self.qk.n], native.Y_ADD_BF16, prompt)
+        self.v._run(x, y[:, self.qk.n:], native.Y_ADD_BF16, prompt)
 
 
 class OneDNNLinear:
@@ -199,10 +231,10 @@ class OneDNNLinear:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: PromptRuns = ()) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 
@@ -215,10 +247,10 @@ class TorchLinear:
         self.weight = w
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: PromptRuns = ()) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 
@@ -235,11 +267,11 @@ class Int8Weight:
         q = (w.float() / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
         return cls(q, scale.to(w.dtype), bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: PromptRuns = ()) -> torch.Tensor:
         y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         return y if self.bias is None else y + self.bias
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 
@@ -262,11 +294,11 @@ class Int4Weight:
         scale_zero = torch.stack([d, lo + 8 * d], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
         return cls(torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prompt: PromptRuns = ()) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
         return y if self.bias is None else y + self.bias
 
-    def add_into(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def add_into(self, x: torch.Tensor, y: torch.Tensor, prompt: PromptRuns = ()) -> None:
         y.add_(self(x))  # the same rounding as y + self(x)
 
 

@@ -16,6 +16,7 @@ from tiny import make_tiny, reference
 from mashbox import native
 from mashbox.model import block_weight, linear, loader
 from mashbox.model.decoder import Batch, Decoder
+from mashbox.model.errors import ModelError
 from mashbox.model.kernels import Kernels
 from mashbox.model.kv_cache import KVCache
 
@@ -138,3 +139,51 @@ def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel, v_apart
                  for i in range(3)]
         outs.append(torch.stack(steps))
     assert torch.equal(outs[0], outs[1])
+
+
+amx = pytest.mark.skipif(not (native.amx_supported() and linear.bf16_kernel_available()),
+                         reason="no AMX-BF16 tiles on this CPU (or OS)")
+
+
+@amx
+@pytest.mark.parametrize("v_apart", [False, True], ids=["one-type", "v-apart"])
+def test_prompt_rows_on_tiles_keep_every_schedule_invariant(tmp_path, v_apart):
+    """Kernels.prompt_linears "amx" (the default where the tiles run): prompt rows take the
+    tile rule (csrc/amx.c), decode rows the vdpbf16ps one, so a prompt token's bits do not
+    depend on its chunking nor a decode row's on its company (every schedule of
+    decoder_invariance, QkvSplit's two parts included), and the logits stay near those
+    of the decoder that runs every row on the vdpbf16ps kernel."""
+    made = {}
+    for rule in ("auto", "same"):
+        w = _with_v_in(tmp_path, Q.Q4_1) if v_apart else loader.load(_gguf(tmp_path, "llama", Q.Q8_0),
+                                                                      torch.bfloat16, CPU, blocks=True)
+        made[rule] = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
+                             kernels=Kernels(prompt_linears=rule))
+    tiles, same = made["auto"], made["same"]
+    assert tiles.kernels.prompt_linears == "amx" and same.kernels.prompt_linears == "same"
+    qkv = tiles.layers[0].qkv
+    assert all(p.tiles for p in ((qkv.qk, qkv.v) if v_apart else (qkv,)))
+    vocab = tiles.config.vocab_size
+    prompt = torch.randint(0, vocab, (37,), generator=torch.Generator().manual_seed(11)).tolist()
+    _check_schedules(tiles, prompt, 64, vocab)
+    got, want = _last_logits(tiles, prompt), _last_logits(same, prompt)
+    assert (got - want).abs().max() < 0.02 * want.abs().max() + 0.02
+    # each row by its kind's rule: rows 2..6 prompt rows on the tiles, the others not
+    x = torch.randn(9, tiles.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    up = tiles.layers[0].gate_up
+    y = up(x, torch.float32, prompt=((2, 7),))
+    bits, blocks = x.view(torch.int16).numpy().view("uint16"), up.blocks.numpy()
+    rule = {True: native.q_linear_tiles(up.qtype, blocks, bits, y_f32=True),
+            False: native.q_linear(up.qtype, blocks, bits, y_f32=True)}
+    for r in range(9):
+        assert torch.equal(y[r], torch.from_numpy(rule[2 <= r < 7][r])), r
+    assert not torch.equal(torch.from_numpy(rule[True]), torch.from_numpy(rule[False])), "two rules"
+
+
+def test_prompt_rows_on_tiles_need_gguf_blocks_and_the_tiles(tmp_path):
+    """An explicit prompt_linears "amx" that cannot run is refused, not quietly dropped."""
+    w = loader.load(_gguf(tmp_path, "llama", Q.Q8_0), torch.bfloat16, CPU)
+    with pytest.raises(ModelError, match="prompt_linears amx"):
+        Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="dense", kernels=Kernels(prompt_linears="amx"))
+    with pytest.raises(ModelError, match="prompt_linears must be one of"):
+        Kernels(prompt_linears="tiles")
