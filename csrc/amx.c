@@ -29,16 +29,19 @@
  * exact products), which is why the decoder sends a row kind to one rule only: prompt
  * rows here, decode rows there (mashbox/model/linear.py).
  *
- * How: a work item is 16 outputs x up to MB_AMX_ROWS rows. Its weights are widened,
- * MB_AMX_CHUNK elements at a time, into bfloat16 (each output's chunk in element order,
- * by SIMD code per block type), then transposed into the tile B layout (pair p of
- * output o at dword [p][o], 8 KB, in L1); each 16-row tile of x is tile A, loaded
- * straight from x (a short last tile from a zero-padded copy). Per sub-block: one
- * TDPBF16PS, the 16 x 16 result stored to L1 and folded into 16 zmm accumulators (one
- * per row, 16 outputs in lanes) with the outputs' scale vector; the accumulators wait in
- * float32 (exact) between chunks. The S sums of x (formats with a min) are made once per
- * call with a tile of ones, in the caller's thread. Threads: the caller's OpenMP pool,
- * each thread loading the tile configuration before its items and releasing it after.
+ * How: x is first packed in tile order (each 16-row x tile one contiguous KB: x's own
+ * rows, k * 2 bytes apart, all fall in one L1 set when k is a multiple of 2048). A work
+ * item is 32 outputs x up to MB_AMX_ROWS rows. Its weights are widened, MB_AMX_CHUNK
+ * elements at a time, into bfloat16 (each output's chunk in element order, by SIMD code
+ * per block type), then transposed into the tile B layout (pair p of output o at dword
+ * [p][o]; 16 KB, in L1), the next chunk's blocks prefetched meanwhile. Per pair of row
+ * tiles and sub-block: two x tiles times two weight tiles, four TDPBF16PS (each tile
+ * load used twice: the loads, not the multiply-adds, bound one product at a time), the
+ * four 16 x 16 results stored to L1 and folded into float32 accumulators [rows][32]
+ * with the outputs' scale vectors. The S sums of x (formats with a min) are made once
+ * per call with a tile of ones, in the caller's thread. Threads: the caller's OpenMP
+ * pool, each thread loading the tile configuration before its items and releasing it
+ * after.
  */
 #define _GNU_SOURCE /* syscall() */
 #include "mashbox.h"
@@ -48,8 +51,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MB_AMX_OUTS 16    /* outputs per work item: one B tile's columns */
-#define MB_AMX_ROWS 256   /* rows per work item (16 KB of parked accumulators) */
+#define MB_AMX_OUTS 32    /* outputs per work item: two B tiles' columns */
+#define MB_AMX_ROWS 256   /* rows per work item (32 KB of parked accumulators) */
 #define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
@@ -107,8 +110,8 @@ int mb_amx_supported(void) {
     return s == 1;
 }
 
-/* The tile configuration (palette 1): tiles 0, 1 results C (16 x 16 float32), 2, 3 x
- * tiles A (16 rows x L bfloat16), 4, 5 weight tiles B (L / 2 pair rows x 16 outputs). */
+/* The tile configuration (palette 1): tiles 0..3 results C (16 x 16 float32), 4, 5 x
+ * tiles A (16 rows x L bfloat16), 6, 7 weight tiles B (L / 2 pair rows x 16 outputs). */
 struct mb_amx_cfg {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -119,11 +122,12 @@ MB_AMX_INLINE void mb_amx_configure(int32_t sub) {
     struct mb_amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 4; t++)
         cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = (uint16_t)(2 * sub);
-        cfg.rows[4 + t] = (uint8_t)(sub / 2), cfg.colsb[4 + t] = 64;
-    }
+    for (int t = 4; t < 6; t++)
+        cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(2 * sub);
+    for (int t = 6; t < 8; t++)
+        cfg.rows[t] = (uint8_t)(sub / 2), cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
@@ -140,6 +144,7 @@ struct mb_amx_job {
     void *y;
     int32_t y_mode;
     int64_t ldy;
+    const uint16_t *xp; /* x packed in tile order (mb_amx_pack) */
     const float *sx;    /* [m, k / L] S sums of x (formats with a min), else NULL */
     int32_t groups, chunks;
     int64_t items, next, threads;
@@ -155,13 +160,20 @@ MB_AMX_INLINE __m512i mb_amx_i8_bf16(__m256i v) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
 }
 
-/* bfloat16 of i - off for i = 0 .. 31 (a vpermw table; exact) */
-MB_AMX_INLINE __m512i mb_amx_table(int off) {
-    uint16_t t[32];
-    for (int i = 0; i < 32; i++)
-        t[i] = (uint16_t)(mb_f32_bits((float)(i - off)) >> 16);
-    return _mm512_loadu_si512(t);
-}
+/* bfloat16 bits of the integers -32 .. 31 (exact): the widening's vpermw tables */
+static const uint16_t mb_amx_ints[64] __attribute__((aligned(64))) = {
+    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8,
+    0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188,
+    0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110,
+    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0, 0x41b8,
+    0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8,
+};
+
+/* the table of i - off for i = 0 .. 31 (off 0, 8, 16 or 32) */
+MB_AMX_INLINE __m512i mb_amx_table(int off) { return _mm512_loadu_si512(mb_amx_ints + 32 - off); }
 
 /* Legacy block: 16 bytes of nibbles (elements j and j + 16 in byte j) and, for Q5_*, the
  * fifth bits qh (bit e for element e) -> the 32 integers' table indices, in order */
@@ -194,8 +206,8 @@ MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t 
                 idx = _mm512_mask_add_epi16(idx, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j))), idx,
                                             _mm512_set1_epi16(16));
             _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(idx, tab));
-            scale[16 * j] = d * (float)sc[j];
-            mins[16 * j] = -(dmin * (float)mn[j]);
+            scale[MB_AMX_OUTS * j] = d * (float)sc[j];
+            mins[MB_AMX_OUTS * j] = -(dmin * (float)mn[j]);
         }
         return;
     }
@@ -217,7 +229,7 @@ MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t 
             }
         }
         for (int s = 0; s < 16; s++)
-            scale[16 * s] = d * (float)sc[s];
+            scale[MB_AMX_OUTS * s] = d * (float)sc[s];
         return;
     }
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
@@ -226,7 +238,7 @@ MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t 
     for (int32_t b = 0; b < elems / 32; b++) {
         const uint8_t *blk = row + (size_t)(e0 / 32 + b) * bytes;
         __m512i v;
-        scale[16 * b] = mb_half(blk);
+        scale[MB_AMX_OUTS * b] = mb_half(blk);
         if (type == MB_GGML_Q8_0) {
             v = mb_amx_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
         } else if (type == MB_GGML_Q4_0) {
@@ -236,12 +248,12 @@ MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t 
             memcpy(&qh, blk + 2, 4);
             v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 6, qh, 1), tab);
         } else if (type == MB_GGML_Q4_1) {
-            mins[16 * b] = mb_half(blk + 2);
+            mins[MB_AMX_OUTS * b] = mb_half(blk + 2);
             v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 4, 0, 0), tab);
         } else { /* Q5_1 */
             uint32_t qh;
             memcpy(&qh, blk + 4, 4);
-            mins[16 * b] = mb_half(blk + 2);
+            mins[MB_AMX_OUTS * b] = mb_half(blk + 2);
             v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 8, qh, 1), tab);
         }
         _mm512_storeu_si512(out + 32 * b, v);
@@ -277,35 +289,87 @@ MB_AMX_INLINE void mb_amx_transpose(const uint16_t *wide, int32_t pairs, uint32_
     }
 }
 
-/* rows [r, r + nrows) of x's columns [e0, e0 + elems) into pad [16][MB_AMX_CHUNK], rows
- * past nrows zero: a short last tile's A */
-static void mb_amx_pad(const uint16_t *x, int64_t ldx, int32_t r, int32_t nrows, int32_t e0, int32_t elems,
-                       uint16_t *pad) {
-    memset(pad, 0, sizeof(uint16_t) * 16 * MB_AMX_CHUNK);
-    for (int32_t i = 0; i < nrows; i++)
-        memcpy(pad + (size_t)i * MB_AMX_CHUNK, x + (size_t)(r + i) * ldx + e0, sizeof(uint16_t) * (size_t)elems);
+/* x [m, k] (rows ldx apart) -> xp in tile order: tile t (rows 16t .. 16t + 15, past m
+ * zero) and sub-block s (L elements) at ((t * k / L) + s) * 16 * L, its 16 rows L apart:
+ * each A tile one contiguous run. Straight from x, a tile's rows are ldx * 2 bytes apart,
+ * which for k a multiple of 2048 puts all 16 in one L1 set (4 KB aliasing): every tile
+ * load missed L1. tiles: m / 16 rounded up to even (the items take tiles in pairs). */
+static void mb_amx_pack(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, int32_t L, int32_t tiles,
+                        uint16_t *xp) {
+    const int32_t subs = k / L;
+    for (int32_t t = 0; t < tiles; t++)
+        for (int32_t r = 0; r < 16; r++) {
+            const int32_t row = 16 * t + r;
+            uint16_t *dst = xp + (size_t)t * subs * 16 * L + (size_t)r * L;
+            for (int32_t sb = 0; sb < subs; sb++, dst += 16 * L) {
+                if (row < m)
+                    memcpy(dst, x + (size_t)row * ldx + (size_t)sb * L, sizeof(uint16_t) * (size_t)L);
+                else
+                    memset(dst, 0, sizeof(uint16_t) * (size_t)L);
+            }
+        }
 }
 
-/* One sub-block on tiles C, A, B: C = tdp(A at a, B at b), stored to cbuf [16][16] */
-#define MB_AMX_TDP(C, A, B, a, lda, b, cbuf)  \
-    do {                                      \
-        _tile_zero(C);                        \
-        _tile_loadd(A, (a), (lda));           \
-        _tile_loadd(B, (b), 64);              \
-        _tile_dpbf16ps(C, A, B);              \
-        _tile_stored(C, (cbuf), 64);          \
-    } while (0)
+/* One sub-block of 32 rows x 32 outputs: the x tiles of rows 0..15 (a0) and 16..31 (a1)
+ * times the weight tiles of outputs 0..15 (b0) and 16..31 (b1), each product from a zero
+ * tile, stored to cbuf [4][16 x 16] in the order (a0 b0, a0 b1, a1 b0, a1 b1) */
+MB_AMX_INLINE void mb_amx_tdp4(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint32_t *b0,
+                               const uint32_t *b1, float *cbuf) {
+    _tile_loadd(4, a0, lda);
+    _tile_loadd(6, b0, 64);
+    _tile_zero(0);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1, 64);
+    _tile_zero(1);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a1, lda);
+    _tile_zero(2);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_zero(3);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_stored(0, cbuf, 64);
+    _tile_stored(1, cbuf + 256, 64);
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+}
 
-/* acc[r] (16 outputs in lanes) = fma(P[r], scale, acc[r]), then the min term */
-MB_AMX_INLINE void mb_amx_fold(__m512 acc[16], const float *cbuf, const float *scale, const float *mins,
+/* park [32 rows][32 outputs] = fma(P, scale, park), then the min term, for the four
+ * products in cbuf; sx: row 0's S of this sub-block, rows ld_sx apart */
+MB_AMX_INLINE void mb_amx_fold(float *park, const float *cbuf, const float *scale, const float *mins,
                                const float *sx, int64_t ld_sx, const int has_min) {
-    __m512 s = _mm512_loadu_ps(scale);
-    for (int r = 0; r < 16; r++)
-        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 16 * r), s, acc[r]);
-    if (has_min) {
-        __m512 mv = _mm512_loadu_ps(mins);
-        for (int r = 0; r < 16; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sx[(size_t)r * ld_sx]), mv, acc[r]);
+    for (int q = 0; q < 4; q++) {
+        const int half = q >> 1, grp = q & 1;
+        const __m512 sv = _mm512_loadu_ps(scale + 16 * grp);
+        const __m512 mv = has_min ? _mm512_loadu_ps(mins + 16 * grp) : _mm512_setzero_ps();
+        for (int r = 0; r < 16; r++) {
+            float *p = park + (size_t)(16 * half + r) * MB_AMX_OUTS + 16 * grp;
+            __m512 acc = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 256 * q + 16 * r), sv, _mm512_load_ps(p));
+            if (has_min)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(sx[(size_t)(16 * half + r) * ld_sx]), mv, acc);
+            _mm512_store_ps(p, acc);
+        }
+    }
+}
+
+/* Row r's outputs [c0, c0 + outs) from acc: + bias, then y as y_mode says (vcvtneps2bf16
+ * rounds as mb_round_bf16 does: nearest even, denormals to zero; csrc/linear.c's store) */
+MB_AMX_INLINE void mb_amx_store(const struct mb_amx_job *j, int32_t r, int32_t c0, int32_t outs, const float *acc) {
+    for (int v = 0; v < 2 && 16 * v < outs; v++) {
+        const int32_t col = c0 + 16 * v, lanes = outs - 16 * v < 16 ? outs - 16 * v : 16;
+        const __mmask16 mask = (__mmask16)((1u << lanes) - 1u);
+        __m512 out = _mm512_load_ps(acc + 16 * v);
+        if (j->bias)
+            out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, j->bias + col));
+        const size_t at = (size_t)r * j->ldy + col;
+        if (j->y_mode == MB_Y_F32) {
+            _mm512_mask_storeu_ps((float *)j->y + at, mask, out);
+            continue;
+        }
+        if (j->y_mode == MB_Y_ADD_BF16) { /* y + out: y's bfloat16 widened exactly */
+            __m256i old = _mm256_maskz_loadu_epi16(mask, (uint16_t *)j->y + at);
+            out = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), out);
+        }
+        _mm256_mask_storeu_epi16((uint16_t *)j->y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
     }
 }
 
@@ -313,56 +377,44 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
                                const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
     const int64_t subs_row = j->k / L; /* sx's row stride */
-    uint16_t wide[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
-    uint32_t B[MB_AMX_CHUNK / 2 * 16] __attribute__((aligned(64)));
-    uint16_t pad[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
-    float scale[16 * 16] __attribute__((aligned(64))), mins[16 * 16] __attribute__((aligned(64)));
-    float cbuf[2][256] __attribute__((aligned(64)));
-    __m512 park[MB_AMX_ROWS] __attribute__((aligned(64)));
-    const uint8_t *wr[16];
-    for (int o = 0; o < 16; o++) /* past the item's outputs, its last row again (never stored) */
+    uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
+    uint32_t B[2][MB_AMX_CHUNK / 2 * 16] __attribute__((aligned(64)));
+    float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
+    float cbuf[4 * 256] __attribute__((aligned(64)));
+    float park[MB_AMX_ROWS * MB_AMX_OUTS] __attribute__((aligned(64)));
+    const uint8_t *wr[MB_AMX_OUTS];
+    for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
         wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+    memset(park, 0, sizeof(float) * (size_t)((rows + 31) / 32 * 32) * MB_AMX_OUTS);
     for (int32_t e0 = 0; e0 < j->k; e0 += MB_AMX_CHUNK) {
         const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L;
-        for (int o = 0; o < 16; o++)
+        for (int o = 0; o < MB_AMX_OUTS; o++)
             mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
-        mb_amx_transpose(wide, elems / 2, B);
-        for (int32_t t = 0; t < rows; t += 16) {
-            const int32_t nrows = rows - t < 16 ? rows - t : 16;
-            const uint16_t *a;
-            int64_t lda;
-            if (nrows == 16) {
-                a = j->x + (size_t)(r0 + t) * j->ldx + e0, lda = 2 * j->ldx;
-            } else {
-                mb_amx_pad(j->x, j->ldx, r0 + t, nrows, e0, elems, pad);
-                a = pad, lda = 2 * MB_AMX_CHUNK;
-            }
-            __m512 acc[16];
-            for (int r = 0; r < 16; r++)
-                acc[r] = e0 == 0 ? _mm512_setzero_ps() : park[t + r];
+        mb_amx_transpose(wide, elems / 2, B[0]);
+        mb_amx_transpose(wide + 16 * MB_AMX_CHUNK, elems / 2, B[1]);
+        if (e0 + MB_AMX_CHUNK < j->k) { /* the next chunk's blocks, 32 rows apart in memory: asked
+                                        * for now, they arrive while the tiles run this one */
+            const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
+            const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
+            for (int o = 0; o < MB_AMX_OUTS; o++)
+                for (int32_t off = 0; off < bytes; off += 64)
+                    _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
+        }
+        for (int32_t t = 0; t < rows; t += 32) { /* row tiles in pairs (xp's padding rows are zero) */
+            const uint16_t *a0 = j->xp + ((size_t)(r0 + t) / 16 * subs_row + (size_t)(e0 / L)) * 16 * L;
+            const uint16_t *a1 = a0 + (size_t)subs_row * 16 * L;
+            const int64_t lda = 2 * L;
             const float *sx = has_min ? j->sx + (size_t)(r0 + t) * subs_row + e0 / L : NULL;
-            int32_t s = 0;
-            for (; s + 2 <= subs; s += 2) { /* two result tiles in flight */
-                MB_AMX_TDP(0, 2, 4, a + s * L, lda, B + 16 * (s * L / 2), cbuf[0]);
-                MB_AMX_TDP(1, 3, 5, a + (s + 1) * L, lda, B + 16 * ((s + 1) * L / 2), cbuf[1]);
-                mb_amx_fold(acc, cbuf[0], scale + 16 * s, mins + 16 * s, (has_min ? sx + s : NULL), subs_row, has_min);
-                mb_amx_fold(acc, cbuf[1], scale + 16 * (s + 1), mins + 16 * (s + 1), (has_min ? sx + s + 1 : NULL),
-                            subs_row, has_min);
+            for (int32_t s = 0; s < subs; s++) {
+                mb_amx_tdp4(a0 + (size_t)s * 16 * L, a1 + (size_t)s * 16 * L, lda, B[0] + 16 * (s * L / 2), B[1] + 16 * (s * L / 2),
+                            cbuf);
+                mb_amx_fold(park + (size_t)t * MB_AMX_OUTS, cbuf, scale + MB_AMX_OUTS * s, mins + MB_AMX_OUTS * s,
+                            has_min ? sx + s : NULL, subs_row, has_min);
             }
-            if (s < subs) {
-                MB_AMX_TDP(0, 2, 4, a + s * L, lda, B + 16 * (s * L / 2), cbuf[0]);
-                mb_amx_fold(acc, cbuf[0], scale + 16 * s, mins + 16 * s, (has_min ? sx + s : NULL), subs_row, has_min);
-            }
-            for (int r = 0; r < 16; r++)
-                park[t + r] = acc[r];
         }
     }
-    for (int32_t r = 0; r < rows; r++) {
-        float v[16];
-        _mm512_storeu_ps(v, park[r]);
-        for (int o = 0; o < outs; o++)
-            mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r0 + r, c0 + o, v[o]);
-    }
+    for (int32_t r = 0; r < rows; r++)
+        mb_amx_store(j, r0 + r, c0, outs, park + (size_t)r * MB_AMX_OUTS);
 }
 
 #define MB_AMX_RUN(NAME, T)                                                                              \
@@ -405,35 +457,25 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
         _tile_release();
 }
 
-/* sx[r, s] = tdp(x row r's sub-block s, ones) for the L = 32 sub-blocks, in the caller's
- * thread: the min terms' sums, the same instruction as the products' */
-static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, float *sx) {
+/* sx[r, s] = tdp(x row r's sub-block s, ones) for the L = 32 sub-blocks, from xp, in the
+ * caller's thread: the min terms' sums, by the same instruction as the products' */
+static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *xp, int32_t m, int32_t k, int32_t tiles, float *sx) {
     uint32_t ones[16 * 16] __attribute__((aligned(64)));
-    uint16_t pad[16 * MB_AMX_CHUNK] __attribute__((aligned(64)));
     float cbuf[256] __attribute__((aligned(64)));
     const int32_t subs = k / 32;
     for (int i = 0; i < 256; i++)
         ones[i] = 0x3f803f80u; /* (1.0, 1.0) in bfloat16 */
     mb_amx_configure(32);
-    _tile_loadd(4, ones, 64);
-    for (int32_t r = 0; r < m; r += 16) {
-        const int32_t nrows = m - r < 16 ? m - r : 16;
-        for (int32_t e0 = 0; e0 < k; e0 += MB_AMX_CHUNK) {
-            const int32_t elems = k - e0 < MB_AMX_CHUNK ? k - e0 : MB_AMX_CHUNK;
-            const uint16_t *a = x + (size_t)r * ldx + e0;
-            int64_t lda = 2 * ldx;
-            if (nrows < 16)
-                mb_amx_pad(x, ldx, r, nrows, e0, elems, pad), a = pad, lda = 2 * MB_AMX_CHUNK;
-            for (int32_t s = 0; s < elems / 32; s++) {
-                _tile_zero(0);
-                _tile_loadd(2, a + 32 * s, lda);
-                _tile_dpbf16ps(0, 2, 4);
-                _tile_stored(0, cbuf, 64);
-                for (int32_t i = 0; i < nrows; i++)
-                    sx[(size_t)(r + i) * subs + e0 / 32 + s] = cbuf[16 * i];
-            }
+    _tile_loadd(6, ones, 64);
+    for (int32_t t = 0; t < tiles; t++)
+        for (int32_t sb = 0; sb < subs; sb++) {
+            _tile_zero(0);
+            _tile_loadd(4, xp + ((size_t)t * subs + sb) * 16 * 32, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_stored(0, cbuf, 64);
+            for (int32_t i = 0; i < 16 && 16 * t + i < m; i++)
+                sx[(size_t)(16 * t + i) * subs + sb] = cbuf[16 * i];
         }
-    }
     _tile_release();
 }
 
@@ -448,12 +490,21 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
         return MB_EINVAL;
     j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.x = x, j.ldx = ldx, j.m = m;
     j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    const int32_t tiles = (m + 31) / 32 * 2;
+    uint16_t *xp = NULL;
     float *sx = NULL;
+    if (posix_memalign((void **)&xp, 64, sizeof(uint16_t) * 16 * (size_t)tiles * (size_t)k))
+        return MB_ESCRATCH;
+    mb_amx_pack(x, ldx, m, k, j.fmt.sub, tiles, xp);
+    j.xp = xp;
     if (j.fmt.has_min) {
-        sx = (float *)malloc(sizeof(float) * (size_t)m * (size_t)(k / 32));
-        if (sx == NULL)
+        /* 16 * tiles rows: a last tile pair's padding rows read it too */
+        sx = (float *)calloc((size_t)(16 * tiles) * (size_t)(k / 32), sizeof(float));
+        if (sx == NULL) {
+            free(xp);
             return MB_ESCRATCH;
-        mb_amx_xsums(x, ldx, m, k, sx);
+        }
+        mb_amx_xsums(xp, m, k, tiles, sx);
         j.sx = sx;
     }
     j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
@@ -469,6 +520,7 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     else
         mb_amx_worker(&j);
     free(sx);
+    free(xp);
     return MB_OK;
 }
 
