@@ -52,8 +52,10 @@
 #include <string.h>
 
 #define MB_AMX_OUTS 32    /* outputs per work item: two B tiles' columns */
-#define MB_AMX_ROWS 256   /* rows per work item (32 KB of parked accumulators) */
+#define MB_AMX_ROWS 512   /* rows per work item (64 KB of parked accumulators): each output's
+                           * blocks widened once for a 512-token prefill chunk */
 #define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
+
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define MB_AMX 1
@@ -406,8 +408,8 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
             const int64_t lda = 2 * L;
             const float *sx = has_min ? j->sx + (size_t)(r0 + t) * subs_row + e0 / L : NULL;
             for (int32_t s = 0; s < subs; s++) {
-                mb_amx_tdp4(a0 + (size_t)s * 16 * L, a1 + (size_t)s * 16 * L, lda, B[0] + 16 * (s * L / 2), B[1] + 16 * (s * L / 2),
-                            cbuf);
+                mb_amx_tdp4(a0 + (size_t)s * 16 * L, a1 + (size_t)s * 16 * L, lda, B[0] + 16 * (s * L / 2),
+                            B[1] + 16 * (s * L / 2), cbuf);
                 mb_amx_fold(park + (size_t)t * MB_AMX_OUTS, cbuf, scale + MB_AMX_OUTS * s, mins + MB_AMX_OUTS * s,
                             has_min ? sx + s : NULL, subs_row, has_min);
             }
