@@ -111,7 +111,7 @@ def test_the_portable_kernel_gives_the_avx512_kernels_bits(tmp_path, variant):
         w = loader.load(path, BF16, CPU)
         # prompt rows on csrc's prefill kernel too, even where "auto" would take SDPA (AMX)
         d = Decoder(w.config, w.tensors, BF16, CPU, kernels=Kernels(kernel=kernel, prefill="csrc"))
-        assert d.kernels == Kernels("csrc", "csrc", "c", kernel, "csrc")
+        assert d.kernels == Kernels("csrc", "csrc", "c", kernel, "csrc", "same")
         cache = KVCache(d.config, slots=2, ctx=128, dtype=BF16, device=CPU)
         prompt = torch.randint(0, 128, (50,), generator=torch.Generator().manual_seed(2)).tolist()
         steps = [d.forward(Batch.build([(0, 0, prompt), (1, 0, prompt[:20])]), cache)]
