@@ -61,6 +61,7 @@
  */
 #include "mashbox.h"
 #include "bf16.h"
+#include "ggml_blocks.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -110,32 +111,14 @@ static int mb_kq_shift(int32_t type) {
     return type == MB_GGML_Q4_K ? 3 : type == MB_GGML_Q5_K ? 2 : 1;
 }
 
-static float mb_f16_f32(const uint8_t *p) { /* IEEE half (little-endian) -> float, exact */
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    if (e == 0) { /* zero or subnormal: mant * 2^-24 */
-        float v = (float)mant * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    if (e == 31)
-        return mb_bits_f32(sign | 0x7f800000u | (mant << 13));
-    return mb_bits_f32(sign | ((e + 112u) << 23) | (mant << 13));
-}
-
 /* Q4_K / Q5_K: d*sc[j] and dmin*mn[j] (both exact) */
 static void mb_kq_scales(const uint8_t *blk, float dsc[8], float dmn[8]) {
-    float d = mb_f16_f32(blk), dmin = mb_f16_f32(blk + 2);
-    const uint8_t *s = blk + 4;
+    float d = mb_half(blk), dmin = mb_half(blk + 2);
+    uint32_t sc[8], mn[8];
+    mb_k_scales(blk + 4, sc, mn);
     for (int j = 0; j < 8; j++) {
-        uint32_t sc, mn;
-        if (j < 4) {
-            sc = s[j] & 63u, mn = s[j + 4] & 63u;
-        } else {
-            sc = (s[j + 4] & 0xfu) | ((uint32_t)(s[j - 4] >> 6) << 4);
-            mn = (uint32_t)(s[j + 4] >> 4) | ((uint32_t)(s[j] >> 6) << 4);
-        }
-        dsc[j] = d * (float)sc;
-        dmn[j] = dmin * (float)mn;
+        dsc[j] = d * (float)sc[j];
+        dmn[j] = dmin * (float)mn[j];
     }
 }
 
@@ -181,15 +164,7 @@ static void mb_kq_xsums(const uint16_t *x, int32_t k, int q6, float *xs) {
 }
 
 static inline __attribute__((always_inline)) void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
-    if (j->bias)
-        acc = acc + j->bias[c];
-    size_t at = (size_t)r * j->ldy + c;
-    if (j->y_mode == MB_Y_F32)
-        ((float *)j->y)[at] = acc;
-    else if (j->y_mode == MB_Y_ADD_BF16)
-        ((uint16_t *)j->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)j->y)[at]) + acc);
-    else
-        ((uint16_t *)j->y)[at] = mb_round_bf16(acc);
+    mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r, c, acc);
 }
 
 /* ---- portable path: the rule, one output at a time ---- */
@@ -200,7 +175,7 @@ static void mb_kq_decode(int32_t type, const uint8_t *blk, int u[MB_QK], float d
     if (type == MB_GGML_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        float d = mb_f16_f32(blk + 208);
+        float d = mb_half(blk + 208);
         for (int h = 0; h < 2; h++)
             for (int v = 0; v < 128; v++) { /* v = 32 * part + i */
                 int part = v / 32, i = v % 32;

@@ -43,6 +43,7 @@
  */
 #include "mashbox.h"
 #include "bf16.h"
+#include "ggml_blocks.h"
 
 #include <math.h>
 #include <string.h>
@@ -77,18 +78,6 @@ static int mb_q_format(int32_t type, struct mb_q_format *f) {
     }
 }
 
-static float mb_f16_f32(uint16_t h) { /* IEEE half to float, exact */
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        float v = (float)man * (1.0f / 16777216.0f);
-        return sign ? -v : v;
-    }
-    if (exp == 31)
-        return mb_bits_f32(sign | 0x7f800000u | (man << 13));
-    return mb_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-static uint16_t mb_le16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 static uint32_t mb_le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
@@ -96,7 +85,7 @@ static uint32_t mb_le32(const uint8_t *p) {
 
 /* Block b's small integers q[32], d and m (0 without one). */
 static void mb_q_block(int32_t type, const uint8_t *blk, int8_t *q, float *d, float *m) {
-    *d = mb_f16_f32(mb_le16(blk));
+    *d = mb_half(blk);
     *m = 0.0f;
     const uint8_t *qs;
     uint32_t qh = 0;
@@ -106,9 +95,9 @@ static void mb_q_block(int32_t type, const uint8_t *blk, int8_t *q, float *d, fl
         memcpy(q, blk + 2, 32);
         return;
     case MB_GGML_Q4_0: qs = blk + 2, off = 8; break;
-    case MB_GGML_Q4_1: *m = mb_f16_f32(mb_le16(blk + 2)), qs = blk + 4; break;
+    case MB_GGML_Q4_1: *m = mb_half(blk + 2), qs = blk + 4; break;
     case MB_GGML_Q5_0: qh = mb_le32(blk + 2), qs = blk + 6, off = 16, high = 1; break;
-    default: /* Q5_1 */ *m = mb_f16_f32(mb_le16(blk + 2)), qh = mb_le32(blk + 4), qs = blk + 8, high = 1; break;
+    default: /* Q5_1 */ *m = mb_half(blk + 2), qh = mb_le32(blk + 4), qs = blk + 8, high = 1; break;
     }
     for (int j = 0; j < 16; j++) {
         int lo = qs[j] & 15, hi = qs[j] >> 4;
@@ -142,15 +131,7 @@ struct mb_q_job {
 };
 
 static void mb_q_store(const struct mb_q_job *j, int32_t r, int32_t c, float acc) {
-    if (j->bias)
-        acc = acc + j->bias[c];
-    size_t at = (size_t)r * j->ldy + c;
-    if (j->y_mode == MB_Y_F32)
-        ((float *)j->y)[at] = acc;
-    else if (j->y_mode == MB_Y_ADD_BF16)
-        ((uint16_t *)j->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)j->y)[at]) + acc);
-    else
-        ((uint16_t *)j->y)[at] = mb_round_bf16(acc);
+    mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r, c, acc);
 }
 
 /* ---- portable path: the rule, one output at a time ---- */
