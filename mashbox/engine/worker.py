@@ -19,7 +19,7 @@ import time
 from typing import Optional
 
 from mashbox.config import EngineConfig, GenerationRequest, StepEvent, Timings
-from mashbox.engine import frames
+from mashbox.engine import frames, heap
 from mashbox.engine.constraints import BROKEN, DONE, ConstraintTable, checks_after
 from mashbox.engine.request import Request, State
 from mashbox.engine.scheduler import Scheduler
@@ -60,6 +60,7 @@ class Engine:
         self._pending: list[StepEvent] = []  # events made between steps (cancel, errors)
         self._compiling: dict[str, Request] = {}  # submitted, waiting for their grammar (constraints.py)
         self.steps = 0
+        heap.trim()  # the load's parsing garbage: ~50 MB resident on a 1.7B GGUF otherwise
 
     # -- info ---------------------------------------------------------------------------
 
