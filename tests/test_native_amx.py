@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mashbox import native, native_ref
+from test_native_kquant import _same, _x  # bfloat16 rows with zeros and denormals; bits, either zero
 
 TYPES = [native.Q8_0, native.Q4_0, native.Q4_1, native.Q5_0, native.Q5_1, native.Q4_K, native.Q5_K, native.Q6_K]
 TYPE_IDS = [gguf.GGMLQuantizationType(t).name for t in TYPES]
@@ -36,23 +37,6 @@ def _rows(rng: np.random.Generator, qtype: int, n: int, blocks: int) -> np.ndarr
     if m_at is not None:
         w[..., m_at:m_at + 2] = half((n, blocks), 10)
     return w.reshape(n, blocks * size)
-
-
-def _x(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
-    """bfloat16 bits: normal values of varied scale per row, zeros and denormals (read as zero)."""
-    x = native_ref.f32_to_bf16((rng.standard_normal((m, k)) * 2.0 ** rng.integers(-20, 20, (m, 1))).astype(np.float32))
-    x[rng.random((m, k)) < 0.05] = 0
-    x[rng.random((m, k)) < 0.02] = rng.integers(1, 128, dtype=np.uint16)  # denormal bits
-    return x
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal bits, but +0 and -0 are one (the rule leaves an underflow's zero sign open)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    bits, sign = (np.uint32, 0x7FFFFFFF) if a.dtype == np.float32 else (np.uint16, 0x7FFF)
-    u, v = a.view(bits), b.view(bits)
-    return bool(np.all((u == v) | (((u & bits(sign)) == 0) & ((v & bits(sign)) == 0))))
 
 
 @st.composite

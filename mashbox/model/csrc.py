@@ -347,27 +347,32 @@ def _blocks(w: torch.Tensor, qtype: int, n: int, k: int) -> int:
     return row_bytes
 
 
+def _q_call(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
+            y: torch.Tensor, mode: int) -> Optional[tuple]:
+    """The checked leading arguments of mb_q_linear and mb_q_linear_tiles (up to y's
+    stride); None for no rows."""
+    _rows(x, "x", torch.bfloat16, k)
+    row_bytes = _blocks(w, qtype, n, k)
+    m = _linear_out(x, bias, y, mode, n)
+    if not m:
+        return None
+    return (qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
+            0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0))
+
+
 def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
              y: torch.Tensor, mode: int, kernel: int) -> None:
     """y [M, n] (as mode says: native.Y_*) of x [M, k] bfloat16 and w, the [n, k] weight in
     GGUF blocks of qtype (uint8 [n, row_bytes], contiguous) (+ bias float32 [n])."""
-    _rows(x, "x", torch.bfloat16, k)
-    row_bytes = _blocks(w, qtype, n, k)
-    m = _linear_out(x, bias, y, mode, n)
-    if m:
-        native.q_linear_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
-                            0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
-                            kernel, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
+    args = _q_call(qtype, w, n, k, x, bias, y, mode)
+    if args:
+        native.q_linear_ptr(*args, kernel, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
 
 
 def q_linear_tiles(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
                    y: torch.Tensor, mode: int) -> None:
     """q_linear's y by the tile rule on AMX tiles (csrc/amx.c): the prompt rows' kernel,
     where native.amx_supported()."""
-    _rows(x, "x", torch.bfloat16, k)
-    row_bytes = _blocks(w, qtype, n, k)
-    m = _linear_out(x, bias, y, mode, n)
-    if m:
-        native.q_linear_tiles_ptr(qtype, w.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
-                                  0 if bias is None else bias.data_ptr(), y.data_ptr(), mode, y.stride(0),
-                                  _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
+    args = _q_call(qtype, w, n, k, x, bias, y, mode)
+    if args:
+        native.q_linear_tiles_ptr(*args, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
