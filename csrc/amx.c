@@ -512,15 +512,7 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
     j.chunks = (m + MB_AMX_ROWS - 1) / MB_AMX_ROWS;
     j.items = (int64_t)j.groups * j.chunks;
-#ifdef MB_ATOMICS
-    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
-#else
-    j.threads = 1;
-#endif
-    if (j.threads > 1)
-        ((mb_parallel_fn)parallel)(mb_amx_worker, &j, (unsigned)threads, 0);
-    else
-        mb_amx_worker(&j);
+    mb_run_guided(mb_amx_worker, &j, &j.threads, j.items, parallel, threads);
     free(sx);
     free(xp);
     return MB_OK;

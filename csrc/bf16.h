@@ -46,6 +46,23 @@ static inline int64_t mb_take_guided(int64_t *next, int64_t items, int64_t threa
     return take;
 }
 
+/* Runs worker(job) on the caller's pool (parallel, `threads` threads) where there is more
+ * than one item and atomics, else on the calling thread; the threads it handed the work
+ * to, which the job's mb_take_guided needs, go to *used first. */
+static inline void mb_run_guided(void (*worker)(void *), void *job, int64_t *used, int64_t items,
+                                 void *parallel, int32_t threads) {
+#ifdef MB_ATOMICS
+    *used = parallel != NULL && threads > 1 && items > 1 ? threads : 1;
+#else
+    (void)items, (void)parallel, (void)threads;
+    *used = 1; /* no atomics on this compiler: the calling thread alone */
+#endif
+    if (*used > 1)
+        ((mb_parallel_fn)parallel)(worker, job, (unsigned)threads, 0);
+    else
+        worker(job);
+}
+
 /* The next work item of a handout one item at a time: *next before its increment (atomic
  * across the pool's threads where MB_ATOMICS; the caller stops at its item count). */
 static inline int64_t mb_take_one(int64_t *next) {

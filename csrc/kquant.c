@@ -555,15 +555,7 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
     j.tiles = (n + MB_KQ_TILE - 1) / MB_KQ_TILE;
     j.groups = (m + MB_KQ_ROWS - 1) / MB_KQ_ROWS;
     j.items = (int64_t)j.tiles * j.groups;
-#ifdef MB_ATOMICS
-    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
-#else
-    j.threads = 1;
-#endif
-    if (j.threads > 1)
-        ((mb_parallel_fn)parallel)(mb_kq_worker, &j, (unsigned)threads, 0);
-    else
-        mb_kq_worker(&j);
+    mb_run_guided(mb_kq_worker, &j, &j.threads, j.items, parallel, threads);
     free(scratch);
     return MB_OK;
 }

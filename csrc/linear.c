@@ -256,15 +256,7 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
     j.tiles = (n + MB_TILE - 1) / MB_TILE;
     j.chunks = (m + MB_CHUNK - 1) / MB_CHUNK;
     j.items = (int64_t)j.tiles * j.chunks;
-#ifdef MB_ATOMICS
-    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
-#else
-    j.threads = 1; /* no atomics on this compiler: the calling thread alone */
-#endif
-    if (j.threads > 1)
-        ((mb_parallel_fn)parallel)(mb_worker, &j, (unsigned)threads, 0);
-    else
-        mb_worker(&j);
+    mb_run_guided(mb_worker, &j, &j.threads, j.items, parallel, threads);
     return MB_OK;
 }
 

@@ -501,14 +501,6 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
     j.groups = (n + MB_Q_OUTS - 1) / MB_Q_OUTS;
     j.chunks = (m + MB_Q_ROWS - 1) / MB_Q_ROWS;
     j.items = (int64_t)j.groups * j.chunks;
-#ifdef MB_ATOMICS
-    j.threads = parallel != NULL && threads > 1 && j.items > 1 ? threads : 1;
-#else
-    j.threads = 1;
-#endif
-    if (j.threads > 1)
-        ((mb_parallel_fn)parallel)(mb_q_worker, &j, (unsigned)threads, 0);
-    else
-        mb_q_worker(&j);
+    mb_run_guided(mb_q_worker, &j, &j.threads, j.items, parallel, threads);
     return MB_OK;
 }
