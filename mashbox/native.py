@@ -664,14 +664,19 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
     if _lib is None:
         return native_ref.kq_linear(qtype, w[:, :blocks * native_ref.KQ_BLOCK_BYTES[qtype]],
                                     np.ascontiguousarray(x), bias, y_f32, add_to)
-    if add_to is not None:
-        y, mode = add_to.copy(), Y_ADD_BF16
-    else:
-        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    y, mode = _linear_y(add_to, y_f32, m, n)
     kq_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, x.ctypes.data, x.strides[0] // 2, m,
                   0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n,
                   bf16_kernel() if kernel is None else kernel, parallel, threads)
     return y
+
+
+def _linear_y(add_to: np.ndarray | None, y_f32: bool, m: int, n: int) -> tuple[np.ndarray, int]:
+    """A linear's output [m, n] and its y mode: a copy of add_to (Y_ADD_BF16), else float32
+    (Y_F32) or bfloat16 (Y_BF16)."""
+    if add_to is not None:
+        return add_to.copy(), Y_ADD_BF16
+    return np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
 
 
 def _linear_extras(bias: np.ndarray | None, add_to: np.ndarray | None, y_f32: bool, m: int,
@@ -704,10 +709,7 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
     if _lib is None:
         return native_ref.bf16_linear(x, w, bias, y_f32, add_to)
     packed = _bf16_packed(w)
-    if add_to is not None:
-        y, mode = add_to.copy(), Y_ADD_BF16
-    else:
-        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    y, mode = _linear_y(add_to, y_f32, m, n)
     bf16_linear_ptr(x.ctypes.data, k, m, packed.ctypes.data, n, k, 0 if bias is None else bias.ctypes.data,
                     y.ctypes.data, mode, n, bf16_kernel() if kernel is None else kernel, 0, 1)
     return y
@@ -747,10 +749,7 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
     bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
     if _lib is None:
         return native_ref.q_linear(qtype, w, x, bias, y_f32, add_to)
-    if add_to is not None:
-        y, mode = add_to.copy(), Y_ADD_BF16
-    else:
-        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    y, mode = _linear_y(add_to, y_f32, m, n)
     q_linear_ptr(qtype, w.ctypes.data, w.shape[1], n, k, x.ctypes.data, k, m,
                  0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n,
                  bf16_kernel() if kernel is None else kernel, 0, 1)
@@ -799,10 +798,7 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
     bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
     if not amx_supported():
         return native_ref.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
-    if add_to is not None:
-        y, mode = add_to.copy(), Y_ADD_BF16
-    else:
-        y, mode = np.empty((m, n), dtype=np.float32 if y_f32 else np.uint16), (Y_F32 if y_f32 else Y_BF16)
+    y, mode = _linear_y(add_to, y_f32, m, n)
     q_linear_tiles_ptr(qtype, w.ctypes.data, row_bytes, n, k, x.ctypes.data, k, m,
                        0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, parallel, threads)
     return y

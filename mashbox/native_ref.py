@@ -365,6 +365,17 @@ def f32_to_bf16(a: np.ndarray) -> np.ndarray:
     return np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
 
 
+def _linear_y(acc: np.ndarray, bias: np.ndarray | None, add_to: np.ndarray | None, y_f32: bool) -> np.ndarray:
+    """A linear's float32 sums [m, n] -> its y, as the kernels write it: + bias, then added
+    to add_to's bfloat16 values, then float32 or bfloat16 (rounded to nearest even)."""
+    with np.errstate(all="ignore"):
+        if bias is not None:
+            acc = acc + np.asarray(bias, dtype=np.float32)
+        if add_to is not None:
+            acc = bf16_to_f32(add_to) + acc
+    return acc if y_f32 else f32_to_bf16(acc)
+
+
 def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
                 y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """x uint16[m, k], w uint16[n, k] (bfloat16 bits, k even), bias float32[n] or None ->
@@ -377,11 +388,7 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
         for p in range(xf.shape[1] // 2):
             for i in (2 * p + 1, 2 * p):
                 acc = _flush(acc + np.multiply.outer(xf[:, i], wf[:, i]))
-        if bias is not None:
-            acc = acc + np.asarray(bias, dtype=np.float32)
-        if add_to is not None:
-            acc = bf16_to_f32(add_to) + acc
-    return acc if y_f32 else f32_to_bf16(acc)
+    return _linear_y(acc, bias, add_to, y_f32)
 
 
 NORM_LANES = 8
@@ -688,11 +695,7 @@ def q_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None =
             if mn is not None:
                 acc = _fma32(s[:, :, b], mn[None, :, b, None], acc)
         out = (acc[..., 0] + acc[..., 2]) + (acc[..., 1] + acc[..., 3])  # [m, n]
-        if bias is not None:
-            out = out + np.asarray(bias, dtype=np.float32)
-        if add_to is not None:
-            out = bf16_to_f32(add_to) + out
-    return out if y_f32 else f32_to_bf16(out)
+    return _linear_y(out, bias, add_to, y_f32)
 
 
 # ---- K-quant linear layers (kq_linear; csrc/kquant.c states the rule) ----
@@ -830,11 +833,7 @@ def kq_linear(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None 
                 acc = acc + sw[:, b, g] * p[:, :, b, g]
             mins = mins + coef[:, b] * xsum[:, :, b]
         out = _sum16(acc) - (_sum16(mins) if q6 else _sum8(mins))  # [m, n]
-        if bias is not None:
-            out = out + np.asarray(bias, dtype=np.float32)
-        if add_to is not None:
-            out = bf16_to_f32(add_to) + out
-    return out if y_f32 else f32_to_bf16(out)
+    return _linear_y(out, bias, add_to, y_f32)
 
 
 # ---- the tile rule (csrc/amx.c): prompt rows of the GGUF linears on AMX tiles ----
@@ -887,8 +886,4 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
             acc = _fma32(p[:, :, s], scale[None, :, s], acc)
             if mins is not None:
                 acc = _fma32(sums[:, :, s], mins[None, :, s], acc)
-        if bias is not None:
-            acc = acc + np.asarray(bias, dtype=np.float32)
-        if add_to is not None:
-            acc = bf16_to_f32(add_to) + acc
-    return acc if y_f32 else f32_to_bf16(acc)
+    return _linear_y(acc, bias, add_to, y_f32)
