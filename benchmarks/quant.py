@@ -6,8 +6,9 @@ child process per file and --weights form (default: gguf, the file's own blocks,
 dense bfloat16) loads it and measures, in the same run:
 
 - batch-1 decode and batch-8 aggregate tokens/s (benchmarks/decode.py's decode_rate:
-  only steps where every row decodes are timed), and a 512-token prefill (one request,
-  one step of --prefill tokens);
+  only steps where every row decodes are timed), a 512-token prefill (one request, one
+  step of --prefill tokens) and a --short one (8 tokens: a short turn's prompt run, which
+  csrc/amx.c takes with the operands swapped);
 - the machine's read bandwidth (a sum over a large bfloat16 tensor, decode.py's
   read_bandwidth), and the bound it sets: read bandwidth / bytes the step reads (every
   linear's blocks once, the embedding's rows aside);
@@ -15,13 +16,13 @@ dense bfloat16) loads it and measures, in the same run:
   is zeroed at start; the tokenizer and runtime stay in it) against the file's tensor
   bytes, and the decoder's own weight bytes;
 - with LLAMA_BENCH=/path/to/llama-bench: llama.cpp's tg (decode, batch 1) and pp
-  (prefill) on the same file with -t THREADS, and mashbox's ratios to them.
+  (prefill, -p PREFILL,SHORT) on the same file with -t THREADS, and mashbox's ratios to them.
 
 The `quant:` line per file is the result:
 
     quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>) | b8 <tok/s> (<r>x b1) |
-           pp<N> <tok/s> | rss <MB> / tensors <MB> (<r>x) | llama.cpp tg <..> pp <..> |
-           b1 <r>x llama.cpp, pp <r>x
+           pp<N> <tok/s> | pp<S> <tok/s> | rss <MB> / tensors <MB> (<r>x) |
+           llama.cpp tg <..> pp <..> pp<S> <..> | b1 <r>x llama.cpp, pp <r>x, pp<S> <r>x
 
 The load average is printed beside every figure: on a shared machine only the ratios
 measured in one quiet run mean anything.
@@ -37,7 +38,7 @@ every fork/join whose worker is descheduled (seen at load 3-5: 8-12 ms a call fo
     kernel Q8_0 m=1: 4 layers 20.6 ms, 285 MB, 13.9 GB/s (1.00x dense's GB/s, 1.78x its speed)
 
 Usage: python benchmarks/quant.py [FILE.gguf ...] [--big /work/big] [--tokens 32]
-       [--prefill 512] [--threads 2] [--repeat 2]
+       [--prefill 512] [--short 8] [--threads 2] [--repeat 2]
        python benchmarks/quant.py --kernels [--layers 4] [--rows 1]
 """
 from __future__ import annotations
@@ -96,7 +97,7 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
-def measure(path: str, weights: str, tokens: int, prefill: int, threads: int, repeat: int) -> dict:
+def measure(path: str, weights: str, tokens: int, prefill: int, short: int, threads: int, repeat: int) -> dict:
     """One file in this process: what the `quant:` line reports, as a dict."""
 
     from benchmarks.decode import ForwardTimer, decode_rate, read_bandwidth
@@ -114,15 +115,17 @@ def measure(path: str, weights: str, tokens: int, prefill: int, threads: int, re
     rss1 = _rss() - kv_bytes  # the KV cache is zeroed (touched) at start; not a weight
     ForwardTimer(r.decoder)
     decode_rate(engine, 1, 4, "warm")
-    b1 = b8 = pp = bw = 0.0
+    b1 = b8 = pp = pps = bw = 0.0
     loads = []
     for i in range(repeat):  # the best round of each: other load only ever slows one down
         bw = max(bw, read_bandwidth())
         b1 = max(b1, decode_rate(engine, 1, tokens, f"b1r{i}")[0])
         b8 = max(b8, decode_rate(engine, 8, tokens, f"b8r{i}")[0])
         pp = max(pp, _prefill_rate(engine, prefill, f"ppr{i}"))
+        pps = max(pps, _prefill_rate(engine, short, f"pps{i}"))
         loads.append(os.getloadavg()[0])
-    return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, read_bw=bw,
+    return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
+                read_bw=bw,
                 read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
                 tensor_bytes=tensor_bytes, load=max(loads))
 
@@ -182,17 +185,18 @@ def kernels(layers: int, rows: int, formats: str = "") -> None:
         ws.clear()
 
 
-def llama_bench(binary: str, path: str, tokens: int, prefill: int, threads: int) -> tuple[float, float]:
-    """(tg tokens/s, pp tokens/s) of llama-bench on the file."""
-    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", str(prefill), "-n", str(tokens),
+def llama_bench(binary: str, path: str, tokens: int, prefill: int, short: int,
+                threads: int) -> tuple[float, float, float]:
+    """(tg, pp at `prefill`, pp at `short`) tokens/s of llama-bench on the file."""
+    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", f"{prefill},{short}", "-n", str(tokens),
                           "-r", "2", "-o", "json"], check=True, capture_output=True, text=True).stdout
-    tg = pp = 0.0
+    tg, pp = 0.0, {}
     for row in json.loads(out):
         if row.get("n_gen", 0) > 0:
             tg = float(row["avg_ts"])
         elif row.get("n_prompt", 0) > 0:
-            pp = float(row["avg_ts"])
-    return tg, pp
+            pp[int(row["n_prompt"])] = float(row["avg_ts"])
+    return tg, pp.get(prefill, 0.0), pp.get(short, 0.0)
 
 
 def main() -> int:
@@ -201,6 +205,7 @@ def main() -> int:
     ap.add_argument("--big", default="/work/big", help="where the default files are written once and reused")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per request (llama-bench -n)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill (llama-bench -p)")
+    ap.add_argument("--short", type=int, default=8, help="prompt tokens of the short prefill (a turn's few new ones)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (llama-bench -t)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds; the best of each figure counts")
     ap.add_argument("--weights", default="gguf,dense",
@@ -215,14 +220,14 @@ def main() -> int:
         kernels(args.layers, args.rows, args.formats)
         return 0
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.threads,
+        print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.short, args.threads,
                                              args.repeat)))
         return 0
     files = args.files or [_ensure(args.big, kind) for kind in FILES]
     bench = os.environ.get("LLAMA_BENCH")
     for path, weights in [(p, w) for p in files for w in args.weights.split(",")]:
         child = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, "--weights", weights,
-                                "--tokens", str(args.tokens), "--prefill", str(args.prefill), "--threads", str(args.threads),
+                                "--tokens", str(args.tokens), "--prefill", str(args.prefill), "--short", str(args.short), "--threads", str(args.threads),
                                 "--repeat", str(args.repeat)], capture_output=True, text=True)
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
@@ -233,13 +238,14 @@ def main() -> int:
         line = (f"quant: {os.path.basename(path)} (weights {m['weights']}) b1 {m['b1']:.1f} tok/s "
                 f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
                 f"{m['read_bytes'] / 1e6:.0f} MB a step) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1) | "
-                f"pp{m['prefill']} {m['pp']:.1f} tok/s | rss {m['rss'] / 1e6:.0f} MB, weights "
+                f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
                 f"({m['rss'] / m['tensor_bytes']:.2f}x) | load {m['load']:.1f}")
         if bench and weights == args.weights.split(",")[0]:
-            tg, pp = llama_bench(bench, path, args.tokens, args.prefill, args.threads)
-            line += (f" | llama.cpp tg{args.tokens} {tg:.1f} pp{args.prefill} {pp:.1f} (load "
-                     f"{os.getloadavg()[0]:.1f}) | b1 {m['b1'] / tg:.2f}x llama.cpp, pp {m['pp'] / pp:.2f}x")
+            tg, pp, pps = llama_bench(bench, path, args.tokens, args.prefill, args.short, args.threads)
+            line += (f" | llama.cpp tg{args.tokens} {tg:.1f} pp{args.prefill} {pp:.1f} pp{args.short} {pps:.1f} "
+                     f"(load {os.getloadavg()[0]:.1f}) | b1 {m['b1'] / tg:.2f}x llama.cpp, pp {m['pp'] / pp:.2f}x, "
+                     f"pp{args.short} {m['pps'] / pps:.2f}x")
         print(line, flush=True)
     return 0
 

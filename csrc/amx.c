@@ -5,8 +5,10 @@
  * Why it exists: at prefill the vdpbf16ps kernels are compute bound (a few hundred
  * GFLOP/s on two cores, against llama.cpp's int8 dot products on the same file); one
  * TDPBF16PS does 16 x 16 x 32 multiply-adds, 16 times a vdpbf16ps's work per issue.
- * Decode rows stay on the vdpbf16ps kernels (they read the weights once per step, and
- * the widening into tiles would cost more than the multiply-adds they save).
+ * Decode rows stay on the vdpbf16ps kernels: they read the weights once per step, and at
+ * one row the widening into tiles alone costs more than the whole vdpbf16ps kernel (the
+ * few-rows path below, timed at 1 and 8 rows), while a decode row's rule cannot change
+ * with the batch's size without breaking batch invariance.
  *
  * The rule, per output (row r of x, output c), "the tile rule" (mashbox/native_ref.py's
  * q_linear_tiles states it in numpy). The weight row is cut into sub-blocks s of L
@@ -41,7 +43,8 @@
  * with the outputs' scale vectors. The S sums of x (formats with a min) are made once
  * per call with a tile of ones, in the caller's thread. Threads: the caller's OpenMP
  * pool, each thread loading the tile configuration before its items and releasing it
- * after.
+ * after. Runs of up to MB_AMX_FEW rows (a short turn after a cached prefix) swap the
+ * operands instead: see "few rows" below.
  */
 #define _GNU_SOURCE /* syscall() */
 #include "mashbox.h"
@@ -55,6 +58,7 @@
 #define MB_AMX_ROWS 512   /* rows per work item (64 KB of parked accumulators): each output's
                            * blocks widened once for a 512-token prefill chunk */
 #define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
+#define MB_AMX_FEW 16     /* rows up to which x is the B operand and the weights A: decode steps */
 
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
@@ -148,6 +152,9 @@ struct mb_amx_job {
     int64_t ldy;
     const uint16_t *xp; /* x packed in tile order (mb_amx_pack) */
     const float *sx;    /* [m, k / L] S sums of x (formats with a min), else NULL */
+    const uint32_t *xb; /* few rows: x in B pairs, dword [e / 2][m] = (x[r, e], x[r, e + 1]) */
+    const float *sb;    /* few rows: [k / 32][16] S sums of x (formats with a min), else NULL */
+    int32_t lane_out[16 * MB_AMX_FEW], lane_row[16 * MB_AMX_FEW]; /* few rows: flat o * m + r's parts */
     int32_t groups, chunks;
     int64_t items, next, threads;
 };
@@ -419,10 +426,120 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
         mb_amx_store(j, r0 + r, c0, outs, park + (size_t)r * MB_AMX_OUTS);
 }
 
+
+/* ---- few rows (m <= MB_AMX_FEW, a short prompt run): the same rule, the operands swapped ----
+ * C[o][r] = tdp(weights of output o, x row r): the weights widened as above are A tiles
+ * as they stand (output o's sub-block one 64-byte row; no transpose), x in B pairs. Each
+ * element's products and adds are those of C[r][o] above (E over the even elements, O
+ * over the odd, then E + O), so the bits are the same whichever way the rows arrive; the
+ * tests compare the two paths. Below 16 rows the other path pads its x tiles to 32 rows
+ * and transposes every widened chunk; this one pads nothing to the tile but its columns,
+ * and skips the transpose. */
+
+/* tiles 0..3 C (16 outputs x m float32), 4, 5 weight tiles A (16 outputs x L bfloat16),
+ * 6, 7 x tiles B (L / 2 pair rows x m rows) */
+MB_AMX_INLINE void mb_amx_configure_few(int32_t sub, int32_t m) {
+    struct mb_amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++)
+        cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(4 * m);
+    for (int t = 4; t < 6; t++)
+        cfg.rows[t] = 16, cfg.colsb[t] = (uint16_t)(2 * sub);
+    for (int t = 6; t < 8; t++)
+        cfg.rows[t] = (uint8_t)(sub / 2), cfg.colsb[t] = (uint16_t)(4 * m);
+    _tile_loadconfig(&cfg);
+}
+
+/* acc [16 outputs][m] = fma(C, scale, acc), then the min term: C as stored, rows m floats
+ * apart (16 m floats, m vectors); sb: this sub-block's S sums [m] */
+MB_AMX_INLINE void mb_amx_fold_few(const struct mb_amx_job *j, float *acc, const float *c, const float *scale,
+                                   const float *mins, const float *sb, const int has_min) {
+    const __m512 sv = _mm512_loadu_ps(scale);
+    const __m512 mv = has_min ? _mm512_loadu_ps(mins) : _mm512_setzero_ps();
+    const __m512 xs = has_min ? _mm512_load_ps(sb) : _mm512_setzero_ps();
+    for (int32_t i = 0; i < j->m; i++) {
+        const __m512i lo = _mm512_loadu_si512(j->lane_out + 16 * i);
+        __m512 a = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * i), _mm512_permutexvar_ps(lo, sv),
+                                   _mm512_load_ps(acc + 16 * i));
+        if (has_min)
+            a = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_loadu_si512(j->lane_row + 16 * i), xs),
+                                _mm512_permutexvar_ps(lo, mv), a);
+        _mm512_store_ps(acc + 16 * i, a);
+    }
+}
+
+MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32_t outs, const int32_t type) {
+    const int has_min = j->fmt.has_min, L = j->fmt.sub;
+    const int32_t m = j->m;
+    const int64_t ldb = 4 * (int64_t)m, ldc = ldb;
+    uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
+    float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
+    float cbuf[4 * 16 * MB_AMX_FEW] __attribute__((aligned(64)));
+    float acc[MB_AMX_OUTS * MB_AMX_FEW] __attribute__((aligned(64))); /* [32 outputs][m] */
+    float row[MB_AMX_OUTS] __attribute__((aligned(64)));
+    const uint8_t *wr[MB_AMX_OUTS];
+    for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
+        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+    memset(acc, 0, sizeof(float) * MB_AMX_OUTS * (size_t)m);
+    for (int32_t e0 = 0; e0 < j->k; e0 += MB_AMX_CHUNK) {
+        const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L, s0 = e0 / L;
+        for (int o = 0; o < MB_AMX_OUTS; o++)
+            mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
+        if (e0 + MB_AMX_CHUNK < j->k) { /* as mb_amx_item's */
+            const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
+            const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
+            for (int o = 0; o < MB_AMX_OUTS; o++)
+                for (int32_t off = 0; off < bytes; off += 64)
+                    _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
+        }
+        for (int32_t s = 0; s < subs; s += 2) { /* two sub-blocks x two groups of 16 outputs */
+            const int two = s + 1 < subs;
+            const uint32_t *b = j->xb + (size_t)(s0 + s) * (size_t)(L / 2) * (size_t)m;
+            _tile_loadd(6, b, ldb);
+            _tile_loadd(4, wide + L * s, 2 * MB_AMX_CHUNK);
+            _tile_zero(0);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, wide + 16 * MB_AMX_CHUNK + L * s, 2 * MB_AMX_CHUNK);
+            _tile_zero(1);
+            _tile_dpbf16ps(1, 5, 6);
+            if (two) {
+                _tile_loadd(7, b + (size_t)(L / 2) * (size_t)m, ldb);
+                _tile_loadd(4, wide + L * (s + 1), 2 * MB_AMX_CHUNK);
+                _tile_zero(2);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, wide + 16 * MB_AMX_CHUNK + L * (s + 1), 2 * MB_AMX_CHUNK);
+                _tile_zero(3);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, cbuf, ldc);
+            _tile_stored(1, cbuf + 16 * MB_AMX_FEW, ldc);
+            if (two) {
+                _tile_stored(2, cbuf + 32 * MB_AMX_FEW, ldc);
+                _tile_stored(3, cbuf + 48 * MB_AMX_FEW, ldc);
+            }
+            for (int q = 0; q < (two ? 4 : 2); q++) {
+                const int grp = q & 1, sub = s + (q >> 1);
+                mb_amx_fold_few(j, acc + (size_t)16 * grp * m, cbuf + 16 * MB_AMX_FEW * q,
+                                scale + MB_AMX_OUTS * sub + 16 * grp, mins + MB_AMX_OUTS * sub + 16 * grp,
+                                has_min ? j->sb + (size_t)(s0 + sub) * 16 : NULL, has_min);
+            }
+        }
+    }
+    for (int32_t r = 0; r < m; r++) {
+        for (int o = 0; o < MB_AMX_OUTS; o++)
+            row[o] = acc[(size_t)o * m + r];
+        mb_amx_store(j, r, c0, outs, row);
+    }
+}
+
 #define MB_AMX_RUN(NAME, T)                                                                              \
     static MB_AMX_TARGET void NAME(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0,     \
                                    int32_t outs) {                                                       \
-        mb_amx_item(j, r0, rows, c0, outs, T);                                                           \
+        if (j->xb)                                                                                       \
+            mb_amx_item_few(j, c0, outs, T);                                                             \
+        else                                                                                             \
+            mb_amx_item(j, r0, rows, c0, outs, T);                                                       \
     }
 
 MB_AMX_RUN(mb_amx_run_q8_0, MB_GGML_Q8_0)
@@ -446,8 +563,13 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
         int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
         if (take == 0)
             break;
-        if (!configured)
-            mb_amx_configure(j->fmt.sub), configured = 1;
+        if (!configured) {
+            if (j->xb)
+                mb_amx_configure_few(j->fmt.sub, j->m);
+            else
+                mb_amx_configure(j->fmt.sub);
+            configured = 1;
+        }
         for (int64_t i = first; i < first + take; i++) {
             int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
             int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_AMX_OUTS;
@@ -481,6 +603,38 @@ static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *xp, int32_t m, int32_t k,
     _tile_release();
 }
 
+/* The few rows' operands: x in B pairs, the flat o * m + r lanes' parts, and (formats with
+ * a min) the S sums sb[s][r] = tdp(ones, x row r's sub-block s), in the caller's thread */
+static MB_AMX_TARGET void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb, float *sb) {
+    const int32_t m = j->m, k = j->k;
+    for (int32_t r = 0; r < m; r++) {
+        const uint16_t *xr = j->x + (size_t)r * j->ldx;
+        for (int32_t e = 0; e < k; e += 2)
+            xb[(size_t)(e / 2) * m + r] = (uint32_t)xr[e] | (uint32_t)xr[e + 1] << 16;
+    }
+    for (int32_t f = 0; f < 16 * m; f++)
+        j->lane_out[f] = f / m, j->lane_row[f] = f % m;
+    j->xb = xb;
+    if (sb == NULL)
+        return;
+    uint16_t ones[16 * 32] __attribute__((aligned(64)));
+    float cbuf[16 * MB_AMX_FEW] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++)
+        ones[i] = 0x3f80u; /* 1.0 in bfloat16 */
+    mb_amx_configure_few(32, m);
+    _tile_loadd(4, ones, 64);
+    for (int32_t sbk = 0; sbk < k / 32; sbk++) {
+        _tile_zero(0);
+        _tile_loadd(6, xb + (size_t)sbk * 16 * m, 4 * (int64_t)m);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_stored(0, cbuf, 4 * (int64_t)m);
+        for (int32_t r = 0; r < m; r++)
+            sb[(size_t)sbk * 16 + r] = cbuf[r];
+    }
+    _tile_release();
+    j->sb = sb;
+}
+
 int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
                       const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                       int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
@@ -492,6 +646,24 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
         return MB_EINVAL;
     j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.x = x, j.ldx = ldx, j.m = m;
     j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
+    if (m <= MB_AMX_FEW) {
+        uint32_t *xb = NULL;
+        float *sb = NULL;
+        if (posix_memalign((void **)&xb, 64, sizeof(uint32_t) * (size_t)(k / 2) * (size_t)m) ||
+            (j.fmt.has_min && posix_memalign((void **)&sb, 64, sizeof(float) * 16 * (size_t)(k / 32)))) {
+            free(xb);
+            return MB_ESCRATCH;
+        }
+        if (sb)
+            memset(sb, 0, sizeof(float) * 16 * (size_t)(k / 32));
+        mb_amx_few_operands(&j, xb, sb);
+        j.chunks = 1, j.items = j.groups;
+        mb_run_guided(mb_amx_worker, &j, &j.threads, j.items, parallel, threads);
+        free(sb);
+        free(xb);
+        return MB_OK;
+    }
     const int32_t tiles = (m + 31) / 32 * 2;
     uint16_t *xp = NULL;
     float *sx = NULL;
@@ -509,7 +681,6 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
         mb_amx_xsums(xp, m, k, tiles, sx);
         j.sx = sx;
     }
-    j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
     j.chunks = (m + MB_AMX_ROWS - 1) / MB_AMX_ROWS;
     j.items = (int64_t)j.groups * j.chunks;
     mb_run_guided(mb_amx_worker, &j, &j.threads, j.items, parallel, threads);

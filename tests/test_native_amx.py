@@ -92,14 +92,15 @@ def test_reference_order_is_the_hardwares():
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
 def test_rows_do_not_depend_on_their_batch(qtype):
     """Each row alone, in any slice, and the whole batch on two threads: the same bits (the
-    row tiles of 16 and the work items of 256 rows are where a dependence would show)."""
+    row tiles of 16 and the work items of 512 rows are where a dependence would show, and
+    runs of up to 16 rows take the other path, the weights as A tiles and x as B)."""
     rng = np.random.default_rng(qtype + 100)
     k = 2 * BLOCK[qtype] if BLOCK[qtype] == 256 else 96
     w, x = _rows(rng, qtype, 37, k // BLOCK[qtype]), _x(rng, 300, k)
     from mashbox.model import csrc
 
     whole = native.q_linear_tiles(qtype, w, x, y_f32=True, parallel=csrc.parallel(), threads=2)
-    for lo, hi in ((0, 1), (5, 6), (17, 33), (250, 300), (0, 300)):
+    for lo, hi in ((0, 1), (5, 6), (3, 11), (20, 36), (36, 53), (17, 33), (250, 300), (0, 300)):
         assert _same(native.q_linear_tiles(qtype, w, x[lo:hi], y_f32=True), whole[lo:hi])
 
 
