@@ -493,37 +493,46 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
                 for (int32_t off = 0; off < bytes; off += 64)
                     _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
         }
-        for (int32_t s = 0; s < subs; s += 2) { /* two sub-blocks x two groups of 16 outputs */
-            const int two = s + 1 < subs;
-            const uint32_t *b = j->xb + (size_t)(s0 + s) * (size_t)(L / 2) * (size_t)m;
-            _tile_loadd(6, b, ldb);
-            _tile_loadd(4, wide + L * s, 2 * MB_AMX_CHUNK);
-            _tile_zero(0);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(5, wide + 16 * MB_AMX_CHUNK + L * s, 2 * MB_AMX_CHUNK);
-            _tile_zero(1);
-            _tile_dpbf16ps(1, 5, 6);
-            if (two) {
-                _tile_loadd(7, b + (size_t)(L / 2) * (size_t)m, ldb);
-                _tile_loadd(4, wide + L * (s + 1), 2 * MB_AMX_CHUNK);
-                _tile_zero(2);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(5, wide + 16 * MB_AMX_CHUNK + L * (s + 1), 2 * MB_AMX_CHUNK);
-                _tile_zero(3);
-                _tile_dpbf16ps(3, 5, 7);
+        /* sub-block s's products (C tiles 0, 1 for an even s, 2, 3 for an odd one), then
+         * s - 1's stores and fold: a C tile's store waits on its product, so each store
+         * runs behind the next sub-block's products instead of before them */
+        for (int32_t s = 0; s <= subs; s++) {
+            if (s < subs) {
+                const uint32_t *b = j->xb + (size_t)(s0 + s) * (size_t)(L / 2) * (size_t)m;
+                const uint16_t *a = wide + L * s;
+                if (s & 1) {
+                    _tile_loadd(7, b, ldb);
+                    _tile_loadd(5, a, 2 * MB_AMX_CHUNK);
+                    _tile_zero(2);
+                    _tile_dpbf16ps(2, 5, 7);
+                    _tile_loadd(5, a + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK);
+                    _tile_zero(3);
+                    _tile_dpbf16ps(3, 5, 7);
+                } else {
+                    _tile_loadd(6, b, ldb);
+                    _tile_loadd(4, a, 2 * MB_AMX_CHUNK);
+                    _tile_zero(0);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(4, a + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK);
+                    _tile_zero(1);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
             }
-            _tile_stored(0, cbuf, ldc);
-            _tile_stored(1, cbuf + 16 * MB_AMX_FEW, ldc);
-            if (two) {
-                _tile_stored(2, cbuf + 32 * MB_AMX_FEW, ldc);
-                _tile_stored(3, cbuf + 48 * MB_AMX_FEW, ldc);
+            if (s == 0)
+                continue;
+            const int32_t sub = s - 1;
+            float *cb = cbuf + 32 * MB_AMX_FEW * (sub & 1);
+            if (sub & 1) {
+                _tile_stored(2, cb, ldc);
+                _tile_stored(3, cb + 16 * MB_AMX_FEW, ldc);
+            } else {
+                _tile_stored(0, cb, ldc);
+                _tile_stored(1, cb + 16 * MB_AMX_FEW, ldc);
             }
-            for (int q = 0; q < (two ? 4 : 2); q++) {
-                const int grp = q & 1, sub = s + (q >> 1);
-                mb_amx_fold_few(j, acc + (size_t)16 * grp * m, cbuf + 16 * MB_AMX_FEW * q,
+            for (int grp = 0; grp < 2; grp++)
+                mb_amx_fold_few(j, acc + (size_t)16 * grp * m, cb + 16 * MB_AMX_FEW * grp,
                                 scale + MB_AMX_OUTS * sub + 16 * grp, mins + MB_AMX_OUTS * sub + 16 * grp,
                                 has_min ? j->sb + (size_t)(s0 + sub) * 16 : NULL, has_min);
-            }
         }
     }
     for (int32_t r = 0; r < m; r++) {
