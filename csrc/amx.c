@@ -382,6 +382,18 @@ MB_AMX_INLINE void mb_amx_store(const struct mb_amx_job *j, int32_t r, int32_t c
     }
 }
 
+/* The item's next chunk's blocks after chunk e0 (its 32 outputs' rows apart in memory):
+ * asked for now, they arrive while the tiles run this one */
+MB_AMX_INLINE void mb_amx_prefetch_next(const struct mb_amx_job *j, const uint8_t *const *wr, int32_t e0) {
+    if (e0 + MB_AMX_CHUNK >= j->k)
+        return;
+    const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
+    const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
+    for (int o = 0; o < MB_AMX_OUTS; o++)
+        for (int32_t off = 0; off < bytes; off += 64)
+            _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
+}
+
 MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
                                const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
@@ -401,14 +413,7 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
             mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
         mb_amx_transpose(wide, elems / 2, B[0]);
         mb_amx_transpose(wide + 16 * MB_AMX_CHUNK, elems / 2, B[1]);
-        if (e0 + MB_AMX_CHUNK < j->k) { /* the next chunk's blocks, 32 rows apart in memory: asked
-                                        * for now, they arrive while the tiles run this one */
-            const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
-            const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
-            for (int o = 0; o < MB_AMX_OUTS; o++)
-                for (int32_t off = 0; off < bytes; off += 64)
-                    _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
-        }
+        mb_amx_prefetch_next(j, wr, e0);
         for (int32_t t = 0; t < rows; t += 32) { /* row tiles in pairs (xp's padding rows are zero) */
             const uint16_t *a0 = j->xp + ((size_t)(r0 + t) / 16 * subs_row + (size_t)(e0 / L)) * 16 * L;
             const uint16_t *a1 = a0 + (size_t)subs_row * 16 * L;
@@ -469,6 +474,19 @@ MB_AMX_INLINE void mb_amx_fold_few(const struct mb_amx_job *j, float *acc, const
     }
 }
 
+/* C0, C1 = the weight tiles of outputs 0..15 (a) and 16..31 (a + 16 rows) times x tile B
+ * (b), each from a zero tile, through weight tile A (tile numbers must be immediates) */
+#define MB_AMX_FEW_PRODUCTS(C0, C1, A, B, a, b, ldb)          \
+    do {                                                      \
+        _tile_loadd(B, b, ldb);                               \
+        _tile_loadd(A, a, 2 * MB_AMX_CHUNK);                  \
+        _tile_zero(C0);                                       \
+        _tile_dpbf16ps(C0, A, B);                             \
+        _tile_loadd(A, (a) + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK); \
+        _tile_zero(C1);                                       \
+        _tile_dpbf16ps(C1, A, B);                             \
+    } while (0)
+
 MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32_t outs, const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
     const int32_t m = j->m;
@@ -486,13 +504,7 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
         const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L, s0 = e0 / L;
         for (int o = 0; o < MB_AMX_OUTS; o++)
             mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
-        if (e0 + MB_AMX_CHUNK < j->k) { /* as mb_amx_item's */
-            const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
-            const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
-            for (int o = 0; o < MB_AMX_OUTS; o++)
-                for (int32_t off = 0; off < bytes; off += 64)
-                    _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
-        }
+        mb_amx_prefetch_next(j, wr, e0);
         /* sub-block s's products (C tiles 0, 1 for an even s, 2, 3 for an odd one), then
          * s - 1's stores and fold: a C tile's store waits on its product, so each store
          * runs behind the next sub-block's products instead of before them */
@@ -500,23 +512,10 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
             if (s < subs) {
                 const uint32_t *b = j->xb + (size_t)(s0 + s) * (size_t)(L / 2) * (size_t)m;
                 const uint16_t *a = wide + L * s;
-                if (s & 1) {
-                    _tile_loadd(7, b, ldb);
-                    _tile_loadd(5, a, 2 * MB_AMX_CHUNK);
-                    _tile_zero(2);
-                    _tile_dpbf16ps(2, 5, 7);
-                    _tile_loadd(5, a + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK);
-                    _tile_zero(3);
-                    _tile_dpbf16ps(3, 5, 7);
-                } else {
-                    _tile_loadd(6, b, ldb);
-                    _tile_loadd(4, a, 2 * MB_AMX_CHUNK);
-                    _tile_zero(0);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(4, a + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK);
-                    _tile_zero(1);
-                    _tile_dpbf16ps(1, 4, 6);
-                }
+                if (s & 1)
+                    MB_AMX_FEW_PRODUCTS(2, 3, 5, 7, a, b, ldb);
+                else
+                    MB_AMX_FEW_PRODUCTS(0, 1, 4, 6, a, b, ldb);
             }
             if (s == 0)
                 continue;
