@@ -58,7 +58,7 @@
 #define MB_AMX_ROWS 512   /* rows per work item (64 KB of parked accumulators): each output's
                            * blocks widened once for a 512-token prefill chunk */
 #define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
-#define MB_AMX_FEW 16     /* rows up to which x is the B operand and the weights A: decode steps */
+#define MB_AMX_FEW 16     /* rows up to which x is the B operand and the weights A: short prompt runs */
 
 
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
@@ -431,7 +431,6 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
         mb_amx_store(j, r0 + r, c0, outs, park + (size_t)r * MB_AMX_OUTS);
 }
 
-
 /* ---- few rows (m <= MB_AMX_FEW, a short prompt run): the same rule, the operands swapped ----
  * C[o][r] = tdp(weights of output o, x row r): the weights widened as above are A tiles
  * as they stand (output o's sub-block one 64-byte row; no transpose), x in B pairs. Each
@@ -612,8 +611,9 @@ static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *xp, int32_t m, int32_t k,
 }
 
 /* The few rows' operands: x in B pairs, the flat o * m + r lanes' parts, and (formats with
- * a min) the S sums sb[s][r] = tdp(ones, x row r's sub-block s), in the caller's thread */
-static MB_AMX_TARGET void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb, float *sb) {
+ * a min) the S sums as the other path makes them (mb_amx_xsums on x packed in tile order,
+ * one tile, into xp and sx), turned into sb[s][r] */
+static void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb, float *sb, uint16_t *xp, float *sx) {
     const int32_t m = j->m, k = j->k;
     for (int32_t r = 0; r < m; r++) {
         const uint16_t *xr = j->x + (size_t)r * j->ldx;
@@ -625,21 +625,11 @@ static MB_AMX_TARGET void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb
     j->xb = xb;
     if (sb == NULL)
         return;
-    uint16_t ones[16 * 32] __attribute__((aligned(64)));
-    float cbuf[16 * MB_AMX_FEW] __attribute__((aligned(64)));
-    for (int i = 0; i < 16 * 32; i++)
-        ones[i] = 0x3f80u; /* 1.0 in bfloat16 */
-    mb_amx_configure_few(32, m);
-    _tile_loadd(4, ones, 64);
-    for (int32_t sbk = 0; sbk < k / 32; sbk++) {
-        _tile_zero(0);
-        _tile_loadd(6, xb + (size_t)sbk * 16 * m, 4 * (int64_t)m);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_stored(0, cbuf, 4 * (int64_t)m);
-        for (int32_t r = 0; r < m; r++)
-            sb[(size_t)sbk * 16 + r] = cbuf[r];
-    }
-    _tile_release();
+    mb_amx_pack(j->x, j->ldx, m, k, 32, 1, xp);
+    mb_amx_xsums(xp, m, k, 1, sx);
+    for (int32_t sbk = 0; sbk < k / 32; sbk++)
+        for (int32_t r = 0; r < 16; r++)
+            sb[(size_t)sbk * 16 + r] = r < m ? sx[(size_t)r * (k / 32) + sbk] : 0.0f;
     j->sb = sb;
 }
 
@@ -657,20 +647,23 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
     if (m <= MB_AMX_FEW) {
         uint32_t *xb = NULL;
-        float *sb = NULL;
-        if (posix_memalign((void **)&xb, 64, sizeof(uint32_t) * (size_t)(k / 2) * (size_t)m) ||
-            (j.fmt.has_min && posix_memalign((void **)&sb, 64, sizeof(float) * 16 * (size_t)(k / 32)))) {
-            free(xb);
-            return MB_ESCRATCH;
+        uint16_t *xp = NULL;
+        float *sb = NULL, *sx = NULL;
+        int ok = !posix_memalign((void **)&xb, 64, sizeof(uint32_t) * (size_t)(k / 2) * (size_t)m);
+        if (ok && j.fmt.has_min) /* sb [k / 32][16]; xp, sx: one x tile's, for mb_amx_xsums */
+            ok = !posix_memalign((void **)&sb, 64, sizeof(float) * 16 * (size_t)(k / 32)) &&
+                 !posix_memalign((void **)&xp, 64, sizeof(uint16_t) * 16 * (size_t)k) &&
+                 (sx = (float *)calloc(16 * (size_t)(k / 32), sizeof(float))) != NULL;
+        if (ok) {
+            mb_amx_few_operands(&j, xb, sb, xp, sx);
+            j.chunks = 1, j.items = j.groups;
+            mb_run_guided(mb_amx_worker, &j, &j.threads, j.items, parallel, threads);
         }
-        if (sb)
-            memset(sb, 0, sizeof(float) * 16 * (size_t)(k / 32));
-        mb_amx_few_operands(&j, xb, sb);
-        j.chunks = 1, j.items = j.groups;
-        mb_run_guided(mb_amx_worker, &j, &j.threads, j.items, parallel, threads);
+        free(sx);
+        free(xp);
         free(sb);
         free(xb);
-        return MB_OK;
+        return ok ? MB_OK : MB_ESCRATCH;
     }
     const int32_t tiles = (m + 31) / 32 * 2;
     uint16_t *xp = NULL;
