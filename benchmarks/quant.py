@@ -125,8 +125,7 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
         pps = max(pps, _prefill_rate(engine, short, f"pps{i}"))
         loads.append(os.getloadavg()[0])
     return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
-                read_bw=bw,
-                read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
+                read_bw=bw, read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
                 tensor_bytes=tensor_bytes, load=max(loads))
 
 
@@ -220,15 +219,15 @@ def main() -> int:
         kernels(args.layers, args.rows, args.formats)
         return 0
     if args.one:
-        print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.short, args.threads,
-                                             args.repeat)))
+        print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.short,
+                                             args.threads, args.repeat)))
         return 0
     files = args.files or [_ensure(args.big, kind) for kind in FILES]
     bench = os.environ.get("LLAMA_BENCH")
     for path, weights in [(p, w) for p in files for w in args.weights.split(",")]:
-        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", path, "--weights", weights,
-                                "--tokens", str(args.tokens), "--prefill", str(args.prefill), "--short", str(args.short), "--threads", str(args.threads),
-                                "--repeat", str(args.repeat)], capture_output=True, text=True)
+        argv = ["--one", path, "--weights", weights, "--tokens", str(args.tokens), "--prefill", str(args.prefill),
+                "--short", str(args.short), "--threads", str(args.threads), "--repeat", str(args.repeat)]
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
             print(f"quant: {path} failed (exit {child.returncode}):\n{child.stderr[-2000:]}")
@@ -238,7 +237,8 @@ def main() -> int:
         line = (f"quant: {os.path.basename(path)} (weights {m['weights']}) b1 {m['b1']:.1f} tok/s "
                 f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
                 f"{m['read_bytes'] / 1e6:.0f} MB a step) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1) | "
-                f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | rss {m['rss'] / 1e6:.0f} MB, weights "
+                f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | "
+                f"rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
                 f"({m['rss'] / m['tensor_bytes']:.2f}x) | load {m['load']:.1f}")
         if bench and weights == args.weights.split(",")[0]:
