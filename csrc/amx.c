@@ -138,18 +138,8 @@ MB_AMX_INLINE void mb_amx_configure(int32_t sub) {
 }
 
 struct mb_amx_job {
-    int32_t type;
+    struct mb_q_call a;
     struct mb_amx_format fmt;
-    const uint8_t *w;
-    int64_t row_bytes;
-    int32_t n, k;
-    const uint16_t *x;
-    int64_t ldx;
-    int32_t m;
-    const float *bias;
-    void *y;
-    int32_t y_mode;
-    int64_t ldy;
     const uint16_t *xp; /* x packed in tile order (mb_amx_pack) */
     const float *sx;    /* [m, k / L] S sums of x (formats with a min), else NULL */
     const uint32_t *xb; /* few rows: x in B pairs, dword [e / 2][m] = (x[r, e], x[r, e + 1]) */
@@ -367,25 +357,25 @@ MB_AMX_INLINE void mb_amx_store(const struct mb_amx_job *j, int32_t r, int32_t c
         const int32_t col = c0 + 16 * v, lanes = outs - 16 * v < 16 ? outs - 16 * v : 16;
         const __mmask16 mask = (__mmask16)((1u << lanes) - 1u);
         __m512 out = _mm512_load_ps(acc + 16 * v);
-        if (j->bias)
-            out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, j->bias + col));
-        const size_t at = (size_t)r * j->ldy + col;
-        if (j->y_mode == MB_Y_F32) {
-            _mm512_mask_storeu_ps((float *)j->y + at, mask, out);
+        if (j->a.bias)
+            out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, j->a.bias + col));
+        const size_t at = (size_t)r * j->a.ldy + col;
+        if (j->a.y_mode == MB_Y_F32) {
+            _mm512_mask_storeu_ps((float *)j->a.y + at, mask, out);
             continue;
         }
-        if (j->y_mode == MB_Y_ADD_BF16) { /* y + out: y's bfloat16 widened exactly */
-            __m256i old = _mm256_maskz_loadu_epi16(mask, (uint16_t *)j->y + at);
+        if (j->a.y_mode == MB_Y_ADD_BF16) { /* y + out: y's bfloat16 widened exactly */
+            __m256i old = _mm256_maskz_loadu_epi16(mask, (uint16_t *)j->a.y + at);
             out = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), out);
         }
-        _mm256_mask_storeu_epi16((uint16_t *)j->y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
+        _mm256_mask_storeu_epi16((uint16_t *)j->a.y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
     }
 }
 
 /* The item's next chunk's blocks after chunk e0 (its 32 outputs' rows apart in memory):
  * asked for now, they arrive while the tiles run this one */
 MB_AMX_INLINE void mb_amx_prefetch_next(const struct mb_amx_job *j, const uint8_t *const *wr, int32_t e0) {
-    if (e0 + MB_AMX_CHUNK >= j->k)
+    if (e0 + MB_AMX_CHUNK >= j->a.k)
         return;
     const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
     const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
@@ -397,7 +387,7 @@ MB_AMX_INLINE void mb_amx_prefetch_next(const struct mb_amx_job *j, const uint8_
 MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
                                const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
-    const int64_t subs_row = j->k / L; /* sx's row stride */
+    const int64_t subs_row = j->a.k / L; /* sx's row stride */
     uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
     uint32_t B[2][MB_AMX_CHUNK / 2 * 16] __attribute__((aligned(64)));
     float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
@@ -405,10 +395,10 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
     float park[MB_AMX_ROWS * MB_AMX_OUTS] __attribute__((aligned(64)));
     const uint8_t *wr[MB_AMX_OUTS];
     for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
-        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
     memset(park, 0, sizeof(float) * (size_t)((rows + 31) / 32 * 32) * MB_AMX_OUTS);
-    for (int32_t e0 = 0; e0 < j->k; e0 += MB_AMX_CHUNK) {
-        const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L;
+    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_AMX_CHUNK) {
+        const int32_t elems = j->a.k - e0 < MB_AMX_CHUNK ? j->a.k - e0 : MB_AMX_CHUNK, subs = elems / L;
         for (int o = 0; o < MB_AMX_OUTS; o++)
             mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
         mb_amx_transpose(wide, elems / 2, B[0]);
@@ -462,7 +452,7 @@ MB_AMX_INLINE void mb_amx_fold_few(const struct mb_amx_job *j, float *acc, const
     const __m512 sv = _mm512_loadu_ps(scale);
     const __m512 mv = has_min ? _mm512_loadu_ps(mins) : _mm512_setzero_ps();
     const __m512 xs = has_min ? _mm512_load_ps(sb) : _mm512_setzero_ps();
-    for (int32_t i = 0; i < j->m; i++) {
+    for (int32_t i = 0; i < j->a.m; i++) {
         const __m512i lo = _mm512_loadu_si512(j->lane_out + 16 * i);
         __m512 a = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * i), _mm512_permutexvar_ps(lo, sv),
                                    _mm512_load_ps(acc + 16 * i));
@@ -488,7 +478,7 @@ MB_AMX_INLINE void mb_amx_fold_few(const struct mb_amx_job *j, float *acc, const
 
 MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32_t outs, const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
-    const int32_t m = j->m;
+    const int32_t m = j->a.m;
     const int64_t ldb = 4 * (int64_t)m, ldc = ldb;
     uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
     float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
@@ -497,10 +487,10 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
     float row[MB_AMX_OUTS] __attribute__((aligned(64)));
     const uint8_t *wr[MB_AMX_OUTS];
     for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
-        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
     memset(acc, 0, sizeof(float) * MB_AMX_OUTS * (size_t)m);
-    for (int32_t e0 = 0; e0 < j->k; e0 += MB_AMX_CHUNK) {
-        const int32_t elems = j->k - e0 < MB_AMX_CHUNK ? j->k - e0 : MB_AMX_CHUNK, subs = elems / L, s0 = e0 / L;
+    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_AMX_CHUNK) {
+        const int32_t elems = j->a.k - e0 < MB_AMX_CHUNK ? j->a.k - e0 : MB_AMX_CHUNK, subs = elems / L, s0 = e0 / L;
         for (int o = 0; o < MB_AMX_OUTS; o++)
             mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
         mb_amx_prefetch_next(j, wr, e0);
@@ -561,10 +551,10 @@ MB_AMX_RUN(mb_amx_run_q6_k, MB_GGML_Q6_K)
 static MB_AMX_TARGET void mb_amx_worker(void *data) {
     struct mb_amx_job *j = (struct mb_amx_job *)data;
     void (*run)(const struct mb_amx_job *, int32_t, int32_t, int32_t, int32_t) =
-        j->type == MB_GGML_Q8_0 ? mb_amx_run_q8_0 : j->type == MB_GGML_Q4_0 ? mb_amx_run_q4_0
-        : j->type == MB_GGML_Q4_1 ? mb_amx_run_q4_1 : j->type == MB_GGML_Q5_0 ? mb_amx_run_q5_0
-        : j->type == MB_GGML_Q5_1 ? mb_amx_run_q5_1 : j->type == MB_GGML_Q4_K ? mb_amx_run_q4_k
-        : j->type == MB_GGML_Q5_K ? mb_amx_run_q5_k : mb_amx_run_q6_k;
+        j->a.type == MB_GGML_Q8_0 ? mb_amx_run_q8_0 : j->a.type == MB_GGML_Q4_0 ? mb_amx_run_q4_0
+        : j->a.type == MB_GGML_Q4_1 ? mb_amx_run_q4_1 : j->a.type == MB_GGML_Q5_0 ? mb_amx_run_q5_0
+        : j->a.type == MB_GGML_Q5_1 ? mb_amx_run_q5_1 : j->a.type == MB_GGML_Q4_K ? mb_amx_run_q4_k
+        : j->a.type == MB_GGML_Q5_K ? mb_amx_run_q5_k : mb_amx_run_q6_k;
     int configured = 0;
     for (;;) {
         int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
@@ -572,7 +562,7 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
             break;
         if (!configured) {
             if (j->xb)
-                mb_amx_configure_few(j->fmt.sub, j->m);
+                mb_amx_configure_few(j->fmt.sub, j->a.m);
             else
                 mb_amx_configure(j->fmt.sub);
             configured = 1;
@@ -580,8 +570,8 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
         for (int64_t i = first; i < first + take; i++) {
             int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
             int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_AMX_OUTS;
-            run(j, r0, j->m - r0 < MB_AMX_ROWS ? j->m - r0 : MB_AMX_ROWS, c0,
-                j->n - c0 < MB_AMX_OUTS ? j->n - c0 : MB_AMX_OUTS);
+            run(j, r0, j->a.m - r0 < MB_AMX_ROWS ? j->a.m - r0 : MB_AMX_ROWS, c0,
+                j->a.n - c0 < MB_AMX_OUTS ? j->a.n - c0 : MB_AMX_OUTS);
         }
     }
     if (configured)
@@ -614,9 +604,9 @@ static MB_AMX_TARGET void mb_amx_xsums(const uint16_t *xp, int32_t m, int32_t k,
  * a min) the S sums as the other path makes them (mb_amx_xsums on x packed in tile order,
  * one tile, into xp and sx), turned into sb[s][r] */
 static void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb, float *sb, uint16_t *xp, float *sx) {
-    const int32_t m = j->m, k = j->k;
+    const int32_t m = j->a.m, k = j->a.k;
     for (int32_t r = 0; r < m; r++) {
-        const uint16_t *xr = j->x + (size_t)r * j->ldx;
+        const uint16_t *xr = j->a.x + (size_t)r * j->a.ldx;
         for (int32_t e = 0; e < k; e += 2)
             xb[(size_t)(e / 2) * m + r] = (uint32_t)xr[e] | (uint32_t)xr[e + 1] << 16;
     }
@@ -625,7 +615,7 @@ static void mb_amx_few_operands(struct mb_amx_job *j, uint32_t *xb, float *sb, u
     j->xb = xb;
     if (sb == NULL)
         return;
-    mb_amx_pack(j->x, j->ldx, m, k, 32, 1, xp);
+    mb_amx_pack(j->a.x, j->a.ldx, m, k, 32, 1, xp);
     mb_amx_xsums(xp, m, k, 1, sx);
     for (int32_t sbk = 0; sbk < k / 32; sbk++)
         for (int32_t r = 0; r < 16; r++)
@@ -638,12 +628,10 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
                       int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
     struct mb_amx_job j;
     memset(&j, 0, sizeof j);
-    if (!mb_amx_format(type, &j.fmt) || m < 1 || n < 1 || k < j.fmt.block || k % j.fmt.block || ldx < k ||
-        ldy < n || row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || y_mode < MB_Y_BF16 ||
-        y_mode > MB_Y_ADD_BF16 || !mb_amx_supported())
+    j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
+    if (!mb_amx_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
+        row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || !mb_amx_supported())
         return MB_EINVAL;
-    j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.x = x, j.ldx = ldx, j.m = m;
-    j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
     j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
     if (m <= MB_AMX_FEW) {
         uint32_t *xb = NULL;

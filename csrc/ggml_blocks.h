@@ -9,6 +9,31 @@
 
 #include <stdint.h>
 
+/* One GGUF linear call as mb_q_linear takes it (csrc/mashbox.h): y[m, n] = x[m, k] .
+ * dequant(w)[n, k]^T (+ bias), w's rows row_bytes apart in blocks of `type`, y as y_mode
+ * says. Every GGUF kernel's job holds one. */
+struct mb_q_call {
+    int32_t type;
+    const uint8_t *w;
+    int64_t row_bytes;
+    int32_t n, k;
+    const uint16_t *x;
+    int64_t ldx;
+    int32_t m;
+    const float *bias;
+    void *y;
+    int32_t y_mode;
+    int64_t ldy;
+};
+
+/* The checks every GGUF kernel makes of its call (each adds its own of type and
+ * row_bytes): rows and outputs, k a whole number of `block`-element blocks, x and y rows
+ * that hold k and n elements, a y mode. */
+static inline int mb_q_call_ok(const struct mb_q_call *c, int32_t block) {
+    return c->m >= 1 && c->n >= 1 && c->k >= block && c->k % block == 0 && c->ldx >= c->k && c->ldy >= c->n &&
+           c->y_mode >= MB_Y_BF16 && c->y_mode <= MB_Y_ADD_BF16;
+}
+
 /* The little-endian IEEE half at p, as float32 (exact). */
 static inline float mb_half(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);

@@ -76,17 +76,8 @@
                              * ~25% slower, waiting on memory */
 
 struct mb_kq_job {
-    int32_t type;
-    const uint8_t *w;
-    int64_t row_bytes;
-    int32_t n, k, blocks;
-    const uint16_t *x;
-    int64_t ldx;
-    int32_t m;
-    const float *bias;
-    void *y;
-    int32_t y_mode;
-    int64_t ldy;
+    struct mb_q_call a;
+    int32_t blocks;
     const uint16_t *xp; /* [m, k] x in the words' order (AVX-512 path), or NULL */
     const float *xs;    /* [m, ldxs] X32 (Q4_K, Q5_K) or X16 (Q6_K) */
     int64_t ldxs;
@@ -164,7 +155,7 @@ static void mb_kq_xsums(const uint16_t *x, int32_t k, int q6, float *xs) {
 }
 
 static inline __attribute__((always_inline)) void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
-    mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r, c, acc);
+    mb_y_store(j->a.y, j->a.y_mode, j->a.ldy, j->a.bias, r, c, acc);
 }
 
 /* ---- portable path: the rule, one output at a time ---- */
@@ -211,27 +202,27 @@ static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t ro
                                int32_t c1) {
     int u[MB_QK];
     float dsc[MB_QK], cf[16];
-    const int e = mb_kq_shift(j->type), q6 = j->type == MB_GGML_Q6_K;
+    const int e = mb_kq_shift(j->a.type), q6 = j->a.type == MB_GGML_Q6_K;
     const float unshift = 1.0f / (float)(1 << e);
     for (int32_t c = c0; c < c1; c++)
         for (int32_t r = r0; r < r0 + rows; r++) {
-            const uint16_t *xr = j->x + (size_t)r * j->ldx;
+            const uint16_t *xr = j->a.x + (size_t)r * j->a.ldx;
             const float *xs = j->xs + (size_t)r * j->ldxs;
             float A[16] = {0}, N[16] = {0};
             for (int32_t b = 0; b < j->blocks; b++) {
-                const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * mb_kq_block_bytes(j->type);
+                const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * mb_kq_block_bytes(j->a.type);
                 const uint16_t *xb = xr + (size_t)b * MB_QK;
-                mb_kq_decode(j->type, blk, u, dsc, cf);
+                mb_kq_decode(j->a.type, blk, u, dsc, cf);
                 for (int g = 0; g < 4; g++)
                     for (int l = 0; l < 16; l++) {
                         float p = 0.0f;
                         for (int o = 0; o < 2; o++) { /* the E word pair, then the O pair */
-                            int j1 = mb_kq_slot(j->type, g, o, 2 * l + 1), j0 = mb_kq_slot(j->type, g, o, 2 * l);
+                            int j1 = mb_kq_slot(j->a.type, g, o, 2 * l + 1), j0 = mb_kq_slot(j->a.type, g, o, 2 * l);
                             float x1 = mb_flush(mb_bf16_f32(xb[j1])), x0 = mb_flush(mb_bf16_f32(xb[j0]));
                             float w1 = (float)(128 + (u[j1] << e)), w0 = (float)(128 + (u[j0] << e));
                             p = mb_flush(mb_flush(p + x1 * w1) + x0 * w0);
                         }
-                        A[l] = A[l] + (dsc[mb_kq_slot(j->type, g, 0, 2 * l)] * unshift) * p;
+                        A[l] = A[l] + (dsc[mb_kq_slot(j->a.type, g, 0, 2 * l)] * unshift) * p;
                     }
                 for (int g = 0; g < (q6 ? 16 : 8); g++)
                     N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
@@ -380,10 +371,10 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
     _Pragma("GCC unroll 32")
     for (int i = 0; i < MR; i++)
         A[i] = _mm512_setzero_ps(), N[i] = _mm512_setzero_ps();
-    const uint16_t *xp = j->xp + (size_t)r0 * j->k;
+    const uint16_t *xp = j->xp + (size_t)r0 * j->a.k;
     const float *xs = j->xs + (size_t)r0 * j->ldxs;
     for (int32_t b = 0; b < j->blocks; b++) {
-        const uint8_t *blk = j->w + (size_t)c * j->row_bytes + (size_t)b * bb;
+        const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
         _Pragma("GCC unroll 4")
         for (int o = 0; o < bb; o += 64) /* 4 KB ahead (into the next row near the end) */
             _mm_prefetch((const char *)blk + MB_KQ_PREFETCH + o, _MM_HINT_T1);
@@ -397,7 +388,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
                 { MB_KQ_PIN(E); MB_KQ_PIN(O); }
             _Pragma("GCC unroll 32")
             for (int r = 0; r < MR; r++) {
-                const uint16_t *x = xp + (size_t)r * j->k + (size_t)b * MB_QK + 64 * g;
+                const uint16_t *x = xp + (size_t)r * j->a.k + (size_t)b * MB_QK + 64 * g;
                 __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), E);
                 p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_loadu_si512(x + 32), O);
                 A[r] = _mm512_add_ps(A[r], _mm512_mul_ps(s[g], p));
@@ -503,8 +494,8 @@ static void mb_kq_worker(void *data) {
         for (int64_t i = first; i < first + take; i++) {
             int32_t g = (int32_t)(i % j->groups), t = (int32_t)(i / j->groups);
             int32_t r0 = g * MB_KQ_ROWS, c0 = t * MB_KQ_TILE;
-            int32_t rows = j->m - r0 < MB_KQ_ROWS ? j->m - r0 : MB_KQ_ROWS;
-            int32_t c1 = j->n - c0 < MB_KQ_TILE ? j->n : c0 + MB_KQ_TILE;
+            int32_t rows = j->a.m - r0 < MB_KQ_ROWS ? j->a.m - r0 : MB_KQ_ROWS;
+            int32_t c1 = j->a.n - c0 < MB_KQ_TILE ? j->a.n : c0 + MB_KQ_TILE;
             j->run(j, r0, rows, c0, c1);
         }
     }
@@ -514,13 +505,12 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
                  const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                  int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
     int64_t bb = mb_kq_block_bytes(type);
-    if (bb == 0 || m < 1 || n < 1 || k < MB_QK || k % MB_QK || ldx < k || ldy < n ||
-        row_bytes < (int64_t)(k / MB_QK) * bb || y_mode < MB_Y_BF16 || y_mode > MB_Y_ADD_BF16)
+    const struct mb_q_call a = {type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
+    if (bb == 0 || !mb_q_call_ok(&a, MB_QK) || row_bytes < (int64_t)(k / MB_QK) * bb)
         return MB_EINVAL;
     struct mb_kq_job j;
     memset(&j, 0, sizeof j);
-    j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.blocks = k / MB_QK;
-    j.x = x, j.ldx = ldx, j.m = m, j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
+    j.a = a, j.blocks = k / MB_QK;
     int avx = 0;
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_kq_run_portable;

@@ -111,18 +111,8 @@ static void mb_q_block(int32_t type, const uint8_t *blk, int8_t *q, float *d, fl
 }
 
 struct mb_q_job {
-    int32_t type;
+    struct mb_q_call a;
     struct mb_q_format fmt;
-    const uint8_t *w;
-    int64_t row_bytes;
-    int32_t n, k;
-    const uint16_t *x;
-    int64_t ldx;
-    int32_t m;
-    const float *bias;
-    void *y;
-    int32_t y_mode;
-    int64_t ldy;
     int32_t groups, chunks; /* output groups of MB_Q_OUTS, row chunks of MB_Q_ROWS */
     int64_t items;
     int64_t next;
@@ -131,22 +121,22 @@ struct mb_q_job {
 };
 
 static void mb_q_store(const struct mb_q_job *j, int32_t r, int32_t c, float acc) {
-    mb_y_store(j->y, j->y_mode, j->ldy, j->bias, r, c, acc);
+    mb_y_store(j->a.y, j->a.y_mode, j->a.ldy, j->a.bias, r, c, acc);
 }
 
 /* ---- portable path: the rule, one output at a time ---- */
 
 static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs) {
-    int32_t blocks = j->k / MB_Q_BLOCK;
+    int32_t blocks = j->a.k / MB_Q_BLOCK;
     for (int32_t c = c0; c < c0 + outs; c++) {
-        const uint8_t *wr = j->w + (size_t)c * j->row_bytes;
+        const uint8_t *wr = j->a.w + (size_t)c * j->a.row_bytes;
         for (int32_t r = r0; r < r0 + rows; r++) {
-            const uint16_t *x = j->x + (size_t)r * j->ldx;
+            const uint16_t *x = j->a.x + (size_t)r * j->a.ldx;
             float acc[MB_Q_LANES] = {0};
             for (int32_t b = 0; b < blocks; b++) {
                 int8_t q[32];
                 float d, m;
-                mb_q_block(j->type, wr + (size_t)b * j->fmt.bytes, q, &d, &m);
+                mb_q_block(j->a.type, wr + (size_t)b * j->fmt.bytes, q, &d, &m);
                 const uint16_t *xb = x + (size_t)b * MB_Q_BLOCK;
                 for (int l = 0; l < MB_Q_LANES; l++) {
                     float t = 0.0f, s = 0.0f;
@@ -284,7 +274,7 @@ MB_Q_INLINE void mb_q_store4(const struct mb_q_job *j, int32_t r, int32_t c, int
  * row again (computed, never stored). */
 MB_Q_INLINE void mb_q_rows(const struct mb_q_job *j, int32_t c0, int32_t outs, const uint8_t *wr[MB_Q_OUTS]) {
     for (int o = 0; o < MB_Q_OUTS; o++)
-        wr[o] = j->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->row_bytes;
+        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
 }
 
 /* One row, up to 16 outputs: each group's block is widened and used at once; the next
@@ -294,13 +284,13 @@ MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
-    const int32_t blocks = j->k / MB_Q_BLOCK, groups = (outs + 3) / 4;
+    const int32_t blocks = j->a.k / MB_Q_BLOCK, groups = (outs + 3) / 4;
     const uint8_t *wr[MB_Q_OUTS];
     mb_q_rows(j, c0, outs, wr);
-    const int32_t ahead = c0 + 2 * MB_Q_OUTS <= j->n;
-    const int64_t pf = (int64_t)MB_Q_OUTS * j->row_bytes;
+    const int32_t ahead = c0 + 2 * MB_Q_OUTS <= j->a.n;
+    const int64_t pf = (int64_t)MB_Q_OUTS * j->a.row_bytes;
     const int every = 64 / bytes;
-    const uint16_t *x = j->x + (size_t)r0 * j->ldx;
+    const uint16_t *x = j->a.x + (size_t)r0 * j->a.ldx;
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int32_t b = 0; b < blocks; b++) {
@@ -396,7 +386,7 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
     const int MR = has_m ? MB_Q_MR_M : MB_Q_MR;
-    const int32_t blocks = j->k / MB_Q_BLOCK;
+    const int32_t blocks = j->a.k / MB_Q_BLOCK;
     const uint8_t *wr[MB_Q_OUTS];
     mb_q_rows(j, c0, outs, wr);
     struct mb_q_chunk sc __attribute__((aligned(64)));
@@ -410,16 +400,16 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
                     blk[o] = wr[4 * g + o] + (size_t)(b0 + b) * bytes;
                 mb_q_widen4(type, tb, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
             }
-        const uint16_t *x = j->x + (size_t)r0 * j->ldx + (size_t)b0 * MB_Q_BLOCK;
+        const uint16_t *x = j->a.x + (size_t)r0 * j->a.ldx + (size_t)b0 * MB_Q_BLOCK;
         int32_t r = 0;
         for (; r + MR <= rows; r += MR) {
             if (has_m)
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 1, MB_Q_MR_M);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, 1, MB_Q_MR_M);
             else
-                mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, 0, MB_Q_MR);
+                mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, 0, MB_Q_MR);
         }
         for (; r < rows; r++)
-            mb_q_sweep(&sc, kb, x + (size_t)r * j->ldx, j->ldx, park + 4 * r, b0 == 0, has_m, 1);
+            mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, has_m, 1);
     }
     for (int32_t r = 0; r < rows; r++)
         for (int g = 0; g < 4 && 4 * g < outs; g++)
@@ -455,8 +445,8 @@ static void mb_q_worker(void *data) {
         for (int64_t i = first; i < first + take; i++) {
             int32_t ch = (int32_t)(i / j->groups), g = (int32_t)(i % j->groups);
             int32_t r0 = ch * MB_Q_ROWS, c0 = g * MB_Q_OUTS;
-            int32_t rows = j->m - r0 < MB_Q_ROWS ? j->m - r0 : MB_Q_ROWS;
-            int32_t outs = j->n - c0 < MB_Q_OUTS ? j->n - c0 : MB_Q_OUTS;
+            int32_t rows = j->a.m - r0 < MB_Q_ROWS ? j->a.m - r0 : MB_Q_ROWS;
+            int32_t outs = j->a.n - c0 < MB_Q_OUTS ? j->a.n - c0 : MB_Q_OUTS;
             j->run(j, r0, rows, c0, outs);
         }
     }
@@ -484,11 +474,9 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
                             threads);
     struct mb_q_job j;
     memset(&j, 0, sizeof j);
-    if (!mb_q_format(type, &j.fmt) || m < 1 || n < 1 || k < MB_Q_BLOCK || k % MB_Q_BLOCK || ldx < k ||
-        ldy < n || row_bytes != mb_q_row_bytes(type, k) || y_mode < MB_Y_BF16 || y_mode > MB_Y_ADD_BF16)
+    j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
+    if (!mb_q_format(type, &j.fmt) || !mb_q_call_ok(&j.a, MB_Q_BLOCK) || row_bytes != mb_q_row_bytes(type, k))
         return MB_EINVAL;
-    j.type = type, j.w = w, j.row_bytes = row_bytes, j.n = n, j.k = k, j.x = x, j.ldx = ldx, j.m = m;
-    j.bias = bias, j.y = y, j.y_mode = y_mode, j.ldy = ldy;
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_q_run_portable;
 #if MB_Q_AVX512
