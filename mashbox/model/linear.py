@@ -171,19 +171,15 @@ class QuantLinear:
         between them on mb_q_linear; y [M, out] may be a column slice (QkvSplit's)."""
         if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
             x = x.to(torch.bfloat16).contiguous()
-        if not (self.tiles and prompt):
-            csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x, self.bias, y, mode, self.kernel)
-            return
-        at, m = 0, x.shape[0]
-        for t0, t1 in prompt:
-            if not at <= t0 < t1 <= m:
+        runs, at, m = prompt if self.tiles else (), 0, x.shape[0]
+        for i, (t0, t1) in enumerate((*runs, (m, m))):  # (m, m): the rows after the last run
+            if i < len(runs) and not at <= t0 < t1 <= m:
                 raise ValueError(f"prompt runs must be ordered, disjoint and within {m} rows, got {prompt}")
             if t0 > at:
                 csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:t0], self.bias, y[at:t0], mode, self.kernel)
-            csrc.q_linear_tiles(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
+            if t1 > t0:
+                csrc.q_linear_tiles(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
             at = t1
-        if at < m:
-            csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:], self.bias, y[at:], mode, self.kernel)
 
 
 class QkvSplit:

@@ -168,16 +168,20 @@ def test_prompt_rows_on_tiles_keep_every_schedule_invariant(tmp_path, v_apart):
     _check_schedules(tiles, prompt, 64, vocab)
     got, want = _last_logits(tiles, prompt), _last_logits(same, prompt)
     assert (got - want).abs().max() < 0.02 * want.abs().max() + 0.02
-    # each row by its kind's rule: rows 2..6 prompt rows on the tiles, the others not
+    # each row by its kind's rule: the prompt runs' rows on the tiles, the others not
     x = torch.randn(9, tiles.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
     up = tiles.layers[0].gate_up
-    y = up(x, torch.float32, prompt=((2, 7),))
     bits, blocks = x.view(torch.int16).numpy().view("uint16"), up.blocks.numpy()
     rule = {True: native.q_linear_tiles(up.qtype, blocks, bits, y_f32=True),
             False: native.q_linear(up.qtype, blocks, bits, y_f32=True)}
-    for r in range(9):
-        assert torch.equal(y[r], torch.from_numpy(rule[2 <= r < 7][r])), r
     assert not torch.equal(torch.from_numpy(rule[True]), torch.from_numpy(rule[False])), "two rules"
+    for runs in (((2, 7),), ((0, 2), (4, 9)), ((3, 4), (5, 6)), ((0, 9),)):
+        y = up(x, torch.float32, prompt=runs)
+        for r in range(9):
+            assert torch.equal(y[r], torch.from_numpy(rule[any(t0 <= r < t1 for t0, t1 in runs)][r])), (runs, r)
+    for bad in (((3, 2),), ((0, 4), (2, 6)), ((5, 10),), ((4, 4),)):
+        with pytest.raises(ValueError, match="prompt runs must be ordered"):
+            up(x, torch.float32, prompt=bad)
 
 
 def test_prompt_rows_on_tiles_need_gguf_blocks_and_the_tiles(tmp_path):
