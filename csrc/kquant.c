@@ -154,10 +154,6 @@ static void mb_kq_xsums(const uint16_t *x, int32_t k, int q6, float *xs) {
     }
 }
 
-static inline __attribute__((always_inline)) void mb_kq_store(const struct mb_kq_job *j, int32_t r, int32_t c, float acc) {
-    mb_y_store(j->a.y, j->a.y_mode, j->a.ldy, j->a.bias, r, c, acc);
-}
-
 /* ---- portable path: the rule, one output at a time ---- */
 
 /* One block's stored integers u[256] in weight order, d*sc per weight dsc[256], and the N
@@ -228,7 +224,7 @@ static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t ro
                     N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
             }
             float out = mb_sum16(A) - (q6 ? mb_sum16(N) : mb_sum8(N));
-            mb_kq_store(j, r, c, out);
+            mb_y_store(&j->a, r, c, out);
         }
 }
 
@@ -412,7 +408,7 @@ mb_kq_out_avx512(const struct mb_kq_job *j, int32_t r0, int32_t c, const int MR,
     _Pragma("GCC unroll 32")
     for (int r = 0; r < MR; r++) {
         float out = mb_sum16_avx512(A[r]) - (q6 ? mb_sum16_avx512(N[r]) : mb_sum8_avx512(_mm512_castps512_ps256(N[r])));
-        mb_kq_store(j, r0 + r, c, out);
+        mb_y_store(&j->a, r0 + r, c, out);
     }
 }
 

@@ -120,10 +120,6 @@ struct mb_q_job {
     void (*run)(const struct mb_q_job *, int32_t r0, int32_t rows, int32_t c0, int32_t outs);
 };
 
-static void mb_q_store(const struct mb_q_job *j, int32_t r, int32_t c, float acc) {
-    mb_y_store(j->a.y, j->a.y_mode, j->a.ldy, j->a.bias, r, c, acc);
-}
-
 /* ---- portable path: the rule, one output at a time ---- */
 
 static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs) {
@@ -151,7 +147,7 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
                         acc[l] = fmaf(s, m, acc[l]);
                 }
             }
-            mb_q_store(j, r, c, (acc[0] + acc[2]) + (acc[1] + acc[3]));
+            mb_y_store(&j->a, r, c, (acc[0] + acc[2]) + (acc[1] + acc[3]));
         }
     }
 }
@@ -267,7 +263,7 @@ MB_Q_INLINE void mb_q_store4(const struct mb_q_job *j, int32_t r, int32_t c, int
     float a[16];
     _mm512_storeu_ps(a, acc);
     for (int o = 0; o < 4 && o < outs; o++)
-        mb_q_store(j, r, c + o, (a[4 * o] + a[4 * o + 2]) + (a[4 * o + 1] + a[4 * o + 3]));
+        mb_y_store(&j->a, r, c + o, (a[4 * o] + a[4 * o + 2]) + (a[4 * o + 1] + a[4 * o + 3]));
 }
 
 /* The item's outputs' row pointers by group of four; past the item's outputs, its last
