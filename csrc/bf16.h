@@ -3,6 +3,8 @@
 #ifndef MASHBOX_BF16_H
 #define MASHBOX_BF16_H
 
+#include "mashbox.h" /* MB_Y_* */
+
 #include <stdint.h>
 #include <string.h>
 
@@ -98,6 +100,22 @@ static inline uint16_t mb_round_bf16(float f) { /* nearest even; NaN stays NaN (
 }
 
 static inline float mb_bf16_f32(uint16_t b) { return mb_bits_f32((uint32_t)b << 16); }
+
+/* Output (r, c) of a linear: acc + bias[c] (bias may be NULL), written as y_mode says
+ * (MB_Y_*), y's rows ldy apart: the portable kernels' store. */
+static inline __attribute__((always_inline)) void mb_y_store_at(void *y, int32_t y_mode, int64_t ldy,
+                                                                const float *bias, int32_t r, int32_t c,
+                                                                float acc) {
+    if (bias)
+        acc = acc + bias[c];
+    size_t at = (size_t)r * ldy + c;
+    if (y_mode == MB_Y_F32)
+        ((float *)y)[at] = acc;
+    else if (y_mode == MB_Y_ADD_BF16)
+        ((uint16_t *)y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)y)[at]) + acc);
+    else
+        ((uint16_t *)y)[at] = mb_round_bf16(acc);
+}
 
 /* e^x for x <= 0 (0 below -80): Cody-Waite reduction by ln 2 (the nearest integer by
  * adding and taking away 1.5 * 2^23), Cephes' degree-6 polynomial, times 2^n. */

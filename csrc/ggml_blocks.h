@@ -61,19 +61,10 @@ static inline void mb_k_scales(const uint8_t *s, uint32_t sc[8], uint32_t mn[8])
     }
 }
 
-/* Output (r, c) of a GGUF linear call: acc + bias[c] (bias may be NULL), written as y_mode says
- * (MB_Y_*), y's rows ldy apart. */
+/* Output (r, c) of a GGUF linear call: mb_y_store_at on its y, y mode, ldy and bias. */
 static inline __attribute__((always_inline)) void mb_y_store(const struct mb_q_call *call, int32_t r, int32_t c,
                                                              float acc) {
-    if (call->bias)
-        acc = acc + call->bias[c];
-    size_t at = (size_t)r * call->ldy + c;
-    if (call->y_mode == MB_Y_F32)
-        ((float *)call->y)[at] = acc;
-    else if (call->y_mode == MB_Y_ADD_BF16)
-        ((uint16_t *)call->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)call->y)[at]) + acc);
-    else
-        ((uint16_t *)call->y)[at] = mb_round_bf16(acc);
+    mb_y_store_at(call->y, call->y_mode, call->ldy, call->bias, r, c, acc);
 }
 
 #endif

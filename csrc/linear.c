@@ -110,15 +110,7 @@ static void mb_run_portable(const struct mb_job *j, int32_t m0, int32_t rows, in
                              mb_flush(mb_bits_f32((uint32_t)w[0] << 16));
                 acc = mb_flush(acc + even);
             }
-            if (j->bias)
-                acc = acc + j->bias[col];
-            size_t at = (size_t)r * j->ldy + col;
-            if (j->y_mode == MB_Y_F32)
-                ((float *)j->y)[at] = acc;
-            else if (j->y_mode == MB_Y_ADD_BF16)
-                ((uint16_t *)j->y)[at] = mb_round_bf16(mb_bf16_f32(((uint16_t *)j->y)[at]) + acc);
-            else
-                ((uint16_t *)j->y)[at] = mb_round_bf16(acc);
+            mb_y_store_at(j->y, j->y_mode, j->ldy, j->bias, r, col, acc);
         }
     }
 }
