@@ -12,6 +12,11 @@ dense bfloat16) loads it and measures, in the same run:
 - the machine's read bandwidth (a sum over a large bfloat16 tensor, decode.py's
   read_bandwidth), and the bound it sets: read bandwidth / bytes the step reads (every
   linear's blocks once, the embedding's rows aside);
+- the kernels' bound for 1 and 8 rows: every quantized linear of a step at its kernel's
+  rate in cache (one linear's first rows per block type and width, timed alone), the
+  read bound's twin for arithmetic. A step near its read bound waits on memory, one
+  near its kernel bound on the decode rule's vdpbf16ps (8 rows: 8x the products of 1,
+  over the same weights), so b8 / b1 can be no more than kernel bound 8 / b1;
 - resident memory: the process's RSS growth over the load (less the KV cache, which
   is zeroed at start; the tokenizer and runtime stay in it) against the file's tensor
   bytes, and the decoder's own weight bytes;
@@ -20,7 +25,8 @@ dense bfloat16) loads it and measures, in the same run:
 
 The `quant:` line per file is the result:
 
-    quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>) | b8 <tok/s> (<r>x b1) |
+    quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>; kernel bound <tok/s>) |
+           b8 <tok/s> (<r>x b1; kernel bound <tok/s>: <r>x b1) |
            pp<N> <tok/s> | pp<S> <tok/s> | rss <MB> / tensors <MB> (<r>x) |
            llama.cpp tg <..> pp <..> pp<S> <..> | b1 <r>x llama.cpp, pp <r>x, pp<S> <r>x
 
@@ -97,6 +103,49 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def _quant_linears(decoder) -> list:
+    """Every QuantLinear a decode step runs: the layers' (a QkvSplit's two parts) and the head."""
+    from mashbox.model.linear import QkvSplit, QuantLinear
+
+    found = []
+    for lin in [x for L in decoder.layers for x in (L.qkv, L.o, L.gate_up, L.down)] + [decoder.lm_head]:
+        found.extend((lin.qk, lin.v) if isinstance(lin, QkvSplit) else [lin] if isinstance(lin, QuantLinear) else [])
+    return found
+
+
+def _kernel_bound(decoder, rows: int, cache_bytes: int = 5 << 19) -> float:
+    """Tokens/s of `rows` decode rows if every quantized linear of a step ran at its kernel's
+    rate in cache (0.0 when the step has none): per (block type, in) one linear's first
+    rows, up to cache_bytes of blocks (2.5 MB: two threads' shares sit in their L2s, and a
+    call is long enough that the thread pool's start and join cost little), timed alone on
+    the step's threads, best of 30. Attention, norms and dense linears are not
+    counted, so this is a ceiling on what the decode rule computes, the read bound's twin:
+    a step below it waits on memory, one near it on the kernels' arithmetic."""
+    import torch
+
+    from mashbox import native
+    from mashbox.model import csrc
+
+    lins = _quant_linears(decoder)
+    rate: dict = {}  # (qtype, k) -> weights per second
+    for lin in lins:
+        key = (lin.qtype, lin.k)
+        if key in rate:
+            continue
+        n = max(16, min(lin.n, cache_bytes // lin.blocks.shape[1]) // 16 * 16)
+        w = lin.blocks[:n].contiguous()
+        x = torch.randn(rows, lin.k).bfloat16()
+        y = torch.empty(rows, n, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(30):
+            t0 = time.perf_counter()
+            csrc.q_linear(lin.qtype, w, n, lin.k, x, None, y, native.Y_F32, lin.kernel)
+            best = min(best, time.perf_counter() - t0)
+        rate[key] = n * lin.k / best
+    step = sum(lin.n * lin.k / rate[(lin.qtype, lin.k)] for lin in lins)
+    return rows / step if step else 0.0
+
+
 def measure(path: str, weights: str, tokens: int, prefill: int, short: int, threads: int, repeat: int) -> dict:
     """One file in this process: what the `quant:` line reports, as a dict."""
 
@@ -124,7 +173,8 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
         pp = max(pp, _prefill_rate(engine, prefill, f"ppr{i}"))
         pps = max(pps, _prefill_rate(engine, short, f"pps{i}"))
         loads.append(os.getloadavg()[0])
-    return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
+    c1, c8 = _kernel_bound(r.decoder, 1), _kernel_bound(r.decoder, 8)
+    return dict(c1=c1, c8=c8, file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
                 read_bw=bw, read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
                 tensor_bytes=tensor_bytes, load=max(loads))
 
@@ -236,7 +286,8 @@ def main() -> int:
         bound = m["read_bw"] / m["read_bytes"]
         line = (f"quant: {os.path.basename(path)} (weights {m['weights']}) b1 {m['b1']:.1f} tok/s "
                 f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
-                f"{m['read_bytes'] / 1e6:.0f} MB a step) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1) | "
+                f"{m['read_bytes'] / 1e6:.0f} MB a step; kernel bound {m['c1']:.1f}) | b8 {m['b8']:.1f} "
+                f"({m['b8'] / m['b1']:.1f}x b1; kernel bound {m['c8']:.1f}: {m['c8'] / m['b1']:.1f}x b1) | "
                 f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | "
                 f"rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
