@@ -99,6 +99,9 @@ int mb_longest_prefix(const uint64_t *query, int32_t n_query, const uint64_t *ta
 /* bfloat16 linear layers (csrc/linear.c states the arithmetic). Kernels: */
 #define MB_KERNEL_PORTABLE 1    /* plain C, any CPU: the rule itself, slow */
 #define MB_KERNEL_AVX512BF16 2  /* vdpbf16ps; the same bits as the portable kernel */
+/* mb_q_linear's legacy types only: AVX512BF16 with Q8_0 widened through int32 and float32,
+ * as on CPUs without AVX512-FP16 (where AVX512BF16 is this one); the same bits */
+#define MB_KERNEL_AVX512BF16_INT32 3
 
 /* The fastest kernel this CPU runs. */
 int32_t mb_bf16_kernel(void);
@@ -192,6 +195,11 @@ int64_t mb_q_row_bytes(int32_t type, int32_t k);
 
 /* 1 when mb_q_linear runs this type (the legacy types here, the K-quants in csrc/kquant.c). */
 int mb_q_supported(int32_t type);
+
+/* 1 when mb_q_linear's MB_KERNEL_AVX512BF16 widens Q8_0 through float16 (a CPU with
+ * AVX512-FP16 and AVX512-BF16), 0 when it does not, -1 when the build's compiler does not
+ * know AVX512-FP16 (GCC before 12, clang before 14). */
+int mb_q_fp16_widening(void);
 
 /* y[r, c] = x[r, :k] . dequant(w row c) (+ bias[c]) for r < m, c < n. w: n rows,
  * row_bytes apart, each k / 32 blocks in ggml's own layout (the GGUF file's bytes); x:

@@ -31,7 +31,9 @@
  * vdpbf16ps and one fma per four outputs and row (the old 16 lanes of one step paid an
  * fma per vdpbf16ps: half the dense kernel's speed at prefill), and the x vector of a
  * step (8 inputs) is one 128-bit broadcast shared by all outputs. The four outputs'
- * blocks are widened by a 4 x 4 transpose of 8-byte pieces (mb_q_widen4).
+ * blocks are widened by a 4 x 4 transpose of 8-byte pieces (mb_q_widen4); Q8_0's
+ * integers become bfloat16 through float16 on CPUs with AVX512-FP16, through int32 and
+ * float32 elsewhere (MB_KERNEL_AVX512BF16_INT32 asks for that route here): the same words.
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
  * (guided runs). Up to MB_Q_DIRECT rows widen each block in registers and use it for all
@@ -160,6 +162,14 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
 
 #define MB_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 #define MB_Q_INLINE static inline __attribute__((always_inline)) MB_Q_TARGET
+/* AVX512-FP16's vcvtw2ph widens Q8_0's integers in one step (GCC 12, clang 14 know it) */
+#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12)
+#define MB_Q_FP16 1
+#include <cpuid.h>
+#define MB_Q_TARGET_FP16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,avx512fp16")))
+#else
+#define MB_Q_FP16 0
+#endif
 
 /* Q8_0: a block's 32 integers, in element order. */
 MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
@@ -167,12 +177,36 @@ MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
     return _mm256_loadu_si256((const __m256i *)(blk + 2));
 }
 
-/* 32 int8 -> 32 bfloat16 (exact), in order. */
+/* 32 int8 -> 32 bfloat16 (exact), in order: a widening, passed down to mb_q_widen4 as a
+ * constant (inlined there; a direct call would have to share its caller's target). */
+typedef __m512bh (*mb_q_int8_bf16)(__m256i);
+
+/* through int32 and float32 (any AVX512-BF16 CPU) */
 MB_Q_INLINE __m512bh mb_q_bf16(__m256i v) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
     return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
 }
+
+#if MB_Q_FP16
+/* through float16 (AVX512-FP16): vcvtw2ph is exact for |q| <= 128, whose float16 has its
+ * three low mantissa bits clear; the bfloat16 is then the exponent and mantissa bits
+ * shifted right by 3, the exponent rebiased (+112, from 15 to 127) unless q is 0, and
+ * the sign: six cheap instructions per 32 for the int32 route's five, two of them
+ * conversions and one a vcvtne2ps2bf16 (the batch-1 Q8_0 step is bound by this kernel,
+ * not by memory: benchmarks/quant.py's kernel bound). */
+static inline __attribute__((always_inline)) MB_Q_TARGET_FP16 __m512bh mb_q_bf16_fp16(__m256i v) {
+    __m512i h = _mm512_castph_si512(_mm512_cvtepi16_ph(_mm512_cvtepi8_epi16(v)));
+    __m512i bits = _mm512_srli_epi16(_mm512_slli_epi16(h, 1), 4);
+    bits = _mm512_mask_add_epi16(bits, _mm512_test_epi16_mask(h, h), bits, _mm512_set1_epi16(112 << 7));
+    return (__m512bh)_mm512_ternarylogic_epi32(bits, h, _mm512_set1_epi16((short)0x8000), 0xd8); /* sign from h */
+}
+
+static int mb_q_has_fp16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 23 & 1u); /* CPUID.7.0:EDX.AVX512_FP16 */
+}
+#endif
 
 /* bfloat16 of each nibble's integer, without (lo) and with (hi) the fifth bit: Q4_0 less
  * 8, Q5_0 less 16 (exact); indices 16..31 unused. */
@@ -195,21 +229,22 @@ MB_Q_INLINE void mb_q_make_tables(const int32_t type, struct mb_q_tables *t) {
 
 /* Four outputs' block b (blk[o]): w[s] holds, in 128-bit lane o, output o's elements
  * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times.
- * Q8_0: a 4 x 4 transpose of 8-byte pieces, then int8 -> float32 -> bfloat16. Nibbles:
+ * Q8_0: a 4 x 4 transpose of 8-byte pieces, then the widening cv (mb_q_bf16, or
+ * mb_q_bf16_fp16 where the CPU has AVX512-FP16). Nibbles:
  * the four outputs' 16 qs bytes side by side in one zmm; unpacking its low (high) nibbles
  * with zero bytes gives steps 0, 1 (2, 3) as 16-bit indices, and one vpermw each maps
  * them to bfloat16 (a second, masked by qh's bits, adds the fifth bit's 16). */
-MB_Q_INLINE void mb_q_widen4(const int32_t type, const struct mb_q_tables *tb, const uint8_t *const blk[4],
-                             __m512bh w[4], __m512 *d, __m512 *m) {
+MB_Q_INLINE void mb_q_widen4(const int32_t type, const mb_q_int8_bf16 cv, const struct mb_q_tables *tb,
+                             const uint8_t *const blk[4], __m512bh w[4], __m512 *d, __m512 *m) {
     if (type == MB_GGML_Q8_0) {
         __m256i a = mb_q_ints(type, blk[0]), b = mb_q_ints(type, blk[1]);
         __m256i c = mb_q_ints(type, blk[2]), e = mb_q_ints(type, blk[3]);
         __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
         __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
-        w[0] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
-        w[1] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
-        w[2] = mb_q_bf16(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
-        w[3] = mb_q_bf16(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
+        w[0] = cv(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
+        w[1] = cv(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
+        w[2] = cv(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
+        w[3] = cv(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
     } else {
         const int qs_at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
         __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk[0] + qs_at)));
@@ -276,7 +311,8 @@ MB_Q_INLINE void mb_q_rows(const struct mb_q_job *j, int32_t c0, int32_t outs, c
 /* One row, up to 16 outputs: each group's block is widened and used at once; the next
  * item's rows are prefetched as this one goes (the hardware prefetcher alone leaves the
  * widening and the misses one after the other). */
-MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0, int32_t outs, const int32_t type) {
+MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0,
+                              int32_t outs, const int32_t type, const mb_q_int8_bf16 cv) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
@@ -307,7 +343,7 @@ MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables
             }
             __m512bh w[4];
             __m512 d, m;
-            mb_q_widen4(type, tb, blk, w, &d, &m);
+            mb_q_widen4(type, cv, tb, blk, w, &d, &m);
             __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xs[0], w[0]);
             t = _mm512_dpbf16_ps(t, xs[1], w[1]);
             t = _mm512_dpbf16_ps(t, xs[2], w[2]);
@@ -376,8 +412,8 @@ MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint1
 
 /* Two or more rows: chunk by chunk of blocks, widen the item's 16 outputs once into the
  * scratch, then sweep every row over it (MR rows at a time). */
-MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
-                                const int32_t type) {
+MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t rows,
+                                int32_t c0, int32_t outs, const int32_t type, const mb_q_int8_bf16 cv) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
@@ -394,7 +430,7 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
                 const uint8_t *blk[4];
                 for (int o = 0; o < 4; o++)
                     blk[o] = wr[4 * g + o] + (size_t)(b0 + b) * bytes;
-                mb_q_widen4(type, tb, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
+                mb_q_widen4(type, cv, tb, blk, sc.w[b][g], &sc.d[b][g], &sc.m[b][g]);
             }
         const uint16_t *x = j->a.x + (size_t)r0 * j->a.ldx + (size_t)b0 * MB_Q_BLOCK;
         int32_t r = 0;
@@ -412,25 +448,54 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
             mb_q_store4(j, r0 + r, c0 + 4 * g, outs - 4 * g, park[4 * r + g]);
 }
 
-#define MB_Q_RUN(NAME, T)                                                                        \
-    static MB_Q_TARGET void NAME(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, \
-                                 int32_t outs) {                                                 \
-        struct mb_q_tables tb;                                                                   \
-        mb_q_make_tables(T, &tb);                                                                \
-        if (rows == 1)                                                                           \
-            mb_q_one_row(j, &tb, r0, c0, outs, T);                                               \
-        else                                                                                     \
-            mb_q_many_rows(j, &tb, r0, rows, c0, outs, T);                                       \
+/* A block type's kernel, its target (the widening's own, or wider) and Q8_0's widening */
+#define MB_Q_RUN(NAME, T, TARGET, CV)                                                       \
+    static TARGET void NAME(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, \
+                            int32_t outs) {                                                 \
+        struct mb_q_tables tb;                                                              \
+        mb_q_make_tables(T, &tb);                                                           \
+        if (rows == 1)                                                                      \
+            mb_q_one_row(j, &tb, r0, c0, outs, T, CV);                                      \
+        else                                                                                \
+            mb_q_many_rows(j, &tb, r0, rows, c0, outs, T, CV);                              \
     }
 
-MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0)
-MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0)
-MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1)
-MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0)
-MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1)
+MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0, MB_Q_TARGET, mb_q_bf16)
+#if MB_Q_FP16
+MB_Q_RUN(mb_q_run_q8_0_fp16, MB_GGML_Q8_0, MB_Q_TARGET_FP16, mb_q_bf16_fp16)
+#endif
+MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0, MB_Q_TARGET, mb_q_bf16)
+MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1, MB_Q_TARGET, mb_q_bf16)
+MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0, MB_Q_TARGET, mb_q_bf16)
+MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1, MB_Q_TARGET, mb_q_bf16)
+
+typedef void (*mb_q_run_fn)(const struct mb_q_job *, int32_t, int32_t, int32_t, int32_t);
+
+/* Q8_0's kernel: the float16 widening where the CPU has it, unless kernel asks for the
+ * int32 one (the CPUs without it; the tests run both here) */
+static mb_q_run_fn mb_q_run_q8_0_for(int32_t kernel) {
+#if MB_Q_FP16
+    if (kernel == MB_KERNEL_AVX512BF16 && mb_q_fp16_widening() == 1)
+        return mb_q_run_q8_0_fp16;
+#endif
+    (void)kernel;
+    return mb_q_run_q8_0;
+}
 #else
 #define MB_Q_AVX512 0
+#define MB_Q_FP16 0
 #endif
+
+int mb_q_fp16_widening(void) {
+#if MB_Q_FP16
+    static int fp16 = -1; /* CPUID, read once (a benign race: every thread reads the same) */
+    if (fp16 < 0)
+        fp16 = mb_bf16_kernel() == MB_KERNEL_AVX512BF16 && mb_q_has_fp16();
+    return fp16;
+#else
+    return -1;
+#endif
+}
 
 static void mb_q_worker(void *data) {
     struct mb_q_job *j = (struct mb_q_job *)data;
@@ -476,8 +541,9 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
     if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_q_run_portable;
 #if MB_Q_AVX512
-    else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
-        j.run = type == MB_GGML_Q8_0 ? mb_q_run_q8_0 : type == MB_GGML_Q4_0 ? mb_q_run_q4_0
+    else if ((kernel == MB_KERNEL_AVX512BF16 || kernel == MB_KERNEL_AVX512BF16_INT32) &&
+             mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
+        j.run = type == MB_GGML_Q8_0 ? mb_q_run_q8_0_for(kernel) : type == MB_GGML_Q4_0 ? mb_q_run_q4_0
                 : type == MB_GGML_Q4_1 ? mb_q_run_q4_1 : type == MB_GGML_Q5_0 ? mb_q_run_q5_0 : mb_q_run_q5_1;
 #endif
     else

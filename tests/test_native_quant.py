@@ -3,6 +3,8 @@ built on gguf-py's dequantization), and what the decoder relies on (a row's bits
 depend on the rest of its batch or the threads that run it)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -15,8 +17,11 @@ from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 
 gguf = pytest.importorskip("gguf")
 
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+# avx512bf16 widens Q8_0 through float16 where the CPU has AVX512-FP16; avx512bf16-int32
+# is what the CPUs without it run; the last is the fastest here
+KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX512BF16]
+                                      if linear.bf16_kernel_available() else [])
+KERNEL_IDS = ["portable", "avx512bf16-int32", "avx512bf16"][:len(KERNELS)]
 TYPES = list(native.Q_LEGACY)
 TYPE_IDS = [gguf.GGMLQuantizationType(t).name for t in TYPES]
 
@@ -119,6 +124,18 @@ def test_rows_do_not_depend_on_their_batch(kernel, qtype):
         for start in (0, rows - m):
             assert torch.equal(lin(x[start:start + m]), alone[start:start + m]), (m, start)
     assert torch.equal(lin(x, torch.float32).bfloat16(), alone)
+
+
+def test_q8_0_widens_through_float16_where_the_cpu_has_it():
+    """What makes the avx512bf16 and avx512bf16-int32 runs above two kernels, not one."""
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("the CPU's flags come from Linux's /proc/cpuinfo")
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    state = native.q_fp16_widening()
+    if state < 0:
+        pytest.skip("this build's compiler predates AVX512-FP16")
+    assert state == int({"avx512_fp16", "avx512_bf16"} <= flags)
 
 
 def test_threads_and_kernels_give_the_same_bits():
