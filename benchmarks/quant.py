@@ -113,10 +113,10 @@ def _quant_linears(decoder) -> list:
     return found
 
 
-def _kernel_bound(decoder, rows: int, cache_bytes: int = 5 << 19) -> float:
+def _kernel_bound(decoder, rows: int, cache_bytes: int = 4 << 20) -> float:
     """Tokens/s of `rows` decode rows if every quantized linear of a step ran at its kernel's
     rate in cache (0.0 when the step has none): per (block type, in) one linear's first
-    rows, up to cache_bytes of blocks (2.5 MB: two threads' shares sit in their L2s, and a
+    rows, up to cache_bytes of blocks (4 MB: two threads' shares sit in their L2s, and a
     call is long enough that the thread pool's start and join cost little), timed alone on
     the step's threads, best of 30. Attention, norms and dense linears are not
     counted, so this is a ceiling on what the decode rule computes, the read bound's twin:
