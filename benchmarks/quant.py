@@ -174,9 +174,9 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
         pps = max(pps, _prefill_rate(engine, short, f"pps{i}"))
         loads.append(os.getloadavg()[0])
     c1, c8 = _kernel_bound(r.decoder, 1), _kernel_bound(r.decoder, 8)
-    return dict(c1=c1, c8=c8, file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
+    return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
                 read_bw=bw, read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
-                tensor_bytes=tensor_bytes, load=max(loads))
+                tensor_bytes=tensor_bytes, load=max(loads), c1=c1, c8=c8)
 
 
 def kernels(layers: int, rows: int, formats: str = "") -> None:
