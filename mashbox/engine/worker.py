@@ -384,8 +384,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s worker[%(process)d] %(levelname)s %(name)s: %(message)s")
-    # Ctrl-C reaches the whole process group; the server decides when the worker stops
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C reaches the whole process group, and a service manager's stop (systemd's
+    # control-group kill, `timeout`, `kill -- -PGID`) sends SIGTERM to every process in it:
+    # the server decides when the worker stops (a "shutdown" frame after its grace period,
+    # or the pipe closing if it dies), so neither ends running requests early
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
     pipe = _Pipe(sock)

@@ -459,3 +459,24 @@ def test_a_stream_goes_on_during_the_grace_and_a_second_sigterm_ends_it(default_
         assert server.proc.wait(DEADLINE_S) == 0, server.log()
     fr = frames_of(text)
     assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
+
+
+def test_sigterm_to_the_whole_process_group_leaves_the_worker_to_the_server(default_model_path, tmp_path):
+    """A service manager's stop signals every process of the group (systemd's control-group
+    kill, `timeout`, `kill -- -PGID`): the worker outlives it, so the grace period holds; a
+    second group SIGTERM ends the stream with its error event, the server exits 0, and
+    stopping the worker it asked to stop logs no pipe failure."""
+    with RealServer(default_model_path, tmp_path, "600") as server:
+        stream = Streamed(server.base_url + "/v1/chat/completions", COUNT)
+        wait_until(lambda: '"content"' in stream.text, "the stream's first content")
+        os.killpg(server.proc.pid, signal.SIGTERM)  # RealServer's session: the server and its worker
+        wait_until(lambda: refused(server.port), "the listener to close")
+        seen = len(stream.text)
+        wait_until(lambda: len(stream.text) > seen, "more of the stream after the group's SIGTERM")
+        assert not stream.done.is_set()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        text = stream.wait()
+        assert server.proc.wait(DEADLINE_S) == 0, server.log()
+        assert "engine pipe" not in server.log() and "worker exited" not in server.log(), server.log()
+    fr = frames_of(text)
+    assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
