@@ -480,3 +480,23 @@ def test_sigterm_to_the_whole_process_group_leaves_the_worker_to_the_server(defa
         assert "engine pipe" not in server.log() and "worker exited" not in server.log(), server.log()
     fr = frames_of(text)
     assert fr[-2].startswith("event: error\ndata: ") and "shutting down" in fr[-2] and fr[-1] == "data: [DONE]", fr[-3:]
+
+
+def test_a_worker_whose_server_is_killed_exits_on_its_own(default_model_path, tmp_path):
+    """The worker ignores the signals a group stop sends, so what ends it when its server
+    dies at once (SIGKILL, the OOM killer) is the pipe closing: it must not be left behind
+    holding the model's memory."""
+    with RealServer(default_model_path, tmp_path, "0") as server:
+        worker = httpx.get(server.base_url + "/health", timeout=5).json()["worker_pid"]
+        os.kill(server.proc.pid, signal.SIGKILL)  # the server alone: its worker stays in the group
+        server.proc.wait(DEADLINE_S)
+
+        def worker_gone() -> bool:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                return True
+            with open(f"/proc/{worker}/stat") as f:  # exited, not yet reaped by init
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_until(worker_gone, "the orphaned worker to exit")
