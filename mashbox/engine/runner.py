@@ -150,11 +150,19 @@ class Runner:
         self.decoder = decoder_mod.Decoder(mc, weights.tensors, self.dtype, self.device,
                                            weights=self.weight_format, limits=self.limits)
         del weights
+        kv_bytes = kv_cache_mod.KVCache.bytes_for(mc, cfg.slots, self.ctx, self.dtype)
+        if self.device.type == "cpu" and kv_bytes > _available_bytes():
+            # the cache is zeroed at start: past the free memory that is an OOM kill mid-load
+            # (and a restart loop), not an error a user can read
+            raise ModelError(f"the KV cache for {cfg.slots} slots x {self.ctx} tokens needs "
+                             f"{kv_bytes / 2**30:.1f} GiB; {_available_bytes() / 2**30:.1f} GiB is "
+                             f"available after the weights: lower --ctx or --slots")
         self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
         self.host_pool = kv_cache_mod.HostPool.for_cache(self.cache, cfg.prefix_block,
                                                          cfg.cache_ram_mib * 2**20)
-        log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots",
-                 time.perf_counter() - t0, mc.arch, self.dtype, self.device, self.ctx, cfg.slots)
+        log.info("model loaded in %.1fs: %s, %s on %s, ctx %d x %d slots (KV cache %.2f GiB)",
+                 time.perf_counter() - t0, mc.arch, self.dtype, self.device, self.ctx, cfg.slots,
+                 kv_bytes / 2**30)
 
         self._ids_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]
         self._pos_np = np.zeros(self.max_tokens, dtype=np.int64)  # [max_tokens]

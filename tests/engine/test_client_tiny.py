@@ -445,3 +445,33 @@ def test_handle_state_table_moves_only_along_its_edges():
     # e.g. no event after the final one, no return from CANCELLING, nothing after CLOSED
     assert HANDLE_TRANSITIONS[HandleState.CLOSED] == frozenset()
     assert HandleState.RUNNING not in HANDLE_TRANSITIONS[HandleState.CANCELLING]
+
+
+
+def test_a_kv_cache_past_the_free_memory_is_refused_with_the_flags_to_lower(tiny):
+    """Slots x ctx whose KV cache cannot fit the memory left after the weights: a start
+    error naming --ctx and --slots, before the zeroed cache would be an OOM kill mid-load
+    (and a restart loop)."""
+    import torch
+
+    from mashbox.model import loader
+    from mashbox.model.kv_cache import KVCache
+
+    with open("/proc/meminfo") as f:
+        free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    config = loader.load(tiny, torch.float32, torch.device("cpu")).config  # tiny_config's dtype
+    per_ctx_token = KVCache.bytes_for(config, 64, 1024, torch.float32) // 1024  # 64 slots
+    ctx = 1 << (2 * free // per_ctx_token).bit_length()  # a cache of over twice the free memory
+
+    async def main():
+        client = EngineClient(tiny_config(tiny, slots=64, ctx=ctx), ServerConfig())
+        await client.start()
+        try:
+            with pytest.raises(EngineStartError) as e:
+                await client.wait_ready(timeout=TIMEOUT)
+            return str(e.value)
+        finally:
+            await client.stop()
+
+    message = asyncio.run(main())
+    assert "KV cache" in message and "--ctx" in message and "--slots" in message, message
