@@ -151,12 +151,14 @@ class Runner:
                                            weights=self.weight_format, limits=self.limits)
         del weights
         kv_bytes = kv_cache_mod.KVCache.bytes_for(mc, cfg.slots, self.ctx, self.dtype)
-        if self.device.type == "cpu" and kv_bytes > _available_bytes():
+        free = _available_bytes() if self.device.type == "cpu" else kv_bytes
+        if kv_bytes > free:
             # the cache is zeroed at start: past the free memory that is an OOM kill mid-load
-            # (and a restart loop), not an error a user can read
+            # (and a restart loop), not an error a user can read. The host pool is a cap,
+            # filled as prefixes are saved, so it is not counted here.
             raise ModelError(f"the KV cache for {cfg.slots} slots x {self.ctx} tokens needs "
-                             f"{kv_bytes / 2**30:.1f} GiB; {_available_bytes() / 2**30:.1f} GiB is "
-                             f"available after the weights: lower --ctx or --slots")
+                             f"{kv_bytes / 2**30:.1f} GiB; {free / 2**30:.1f} GiB is available "
+                             f"after the weights: lower --ctx or --slots")
         self.cache = kv_cache_mod.KVCache(mc, cfg.slots, self.ctx, self.dtype, self.device)
         self.host_pool = kv_cache_mod.HostPool.for_cache(self.cache, cfg.prefix_block,
                                                          cfg.cache_ram_mib * 2**20)
