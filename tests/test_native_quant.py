@@ -3,8 +3,6 @@ built on gguf-py's dequantization), and what the decoder relies on (a row's bits
 depend on the rest of its batch or the threads that run it)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
 from mashbox import native, native_ref
-from mashbox.model import linear
+from mashbox.model import device, linear
 from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 
 gguf = pytest.importorskip("gguf")
@@ -128,10 +126,9 @@ def test_rows_do_not_depend_on_their_batch(kernel, qtype):
 
 def test_q8_0_widens_through_float16_where_the_cpu_has_it():
     """What makes the avx512bf16 and avx512bf16-int32 runs above two kernels, not one."""
-    if not os.path.exists("/proc/cpuinfo"):
+    flags = device.cpu_flags()
+    if not flags:
         pytest.skip("the CPU's flags come from Linux's /proc/cpuinfo")
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
     state = native.q_fp16_widening()
     if state < 0:
         pytest.skip("this build's compiler predates AVX512-FP16")

@@ -454,11 +454,11 @@ def test_a_kv_cache_past_the_free_memory_is_refused_with_the_flags_to_lower(tiny
     (and a restart loop)."""
     import torch
 
+    from mashbox.engine.runner import _available_bytes
     from mashbox.model import loader
     from mashbox.model.kv_cache import KVCache
 
-    with open("/proc/meminfo") as f:
-        free = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    free = _available_bytes()  # what the runner checks the cache against
     config = loader.load(tiny, torch.float32, torch.device("cpu")).config  # tiny_config's dtype
     per_ctx_token = KVCache.bytes_for(config, 64, 1024, torch.float32) // 1024  # 64 slots
     ctx = 1 << (2 * free // per_ctx_token).bit_length()  # a cache of over twice the free memory
