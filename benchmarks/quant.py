@@ -26,7 +26,7 @@ dense bfloat16) loads it and measures, in the same run:
 The `quant:` line per file is the result:
 
     quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>; kernel bound <tok/s>) |
-           b8 <tok/s> (<r>x b1; kernel bound <tok/s>: <r>x b1) |
+           b8 <tok/s> (<r>x b1; kernel bound <tok/s>: <r>x b1) |  (no kernel bound: dense)
            pp<N> <tok/s> | pp<S> <tok/s> | rss <MB> / tensors <MB> (<r>x) |
            llama.cpp tg <..> pp <..> pp<S> <..> | b1 <r>x llama.cpp, pp <r>x, pp<S> <r>x
 
@@ -284,10 +284,12 @@ def main() -> int:
             continue
         m = json.loads(lines[-1][len("RESULT "):])
         bound = m["read_bw"] / m["read_bytes"]
+        # dense weights have no quantized linear to time: no kernel bound
+        c1 = f"; kernel bound {m['c1']:.1f}" if m["c1"] else ""
+        c8 = f"; kernel bound {m['c8']:.1f}: {m['c8'] / m['b1']:.1f}x b1" if m["c8"] else ""
         line = (f"quant: {os.path.basename(path)} (weights {m['weights']}) b1 {m['b1']:.1f} tok/s "
                 f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
-                f"{m['read_bytes'] / 1e6:.0f} MB a step; kernel bound {m['c1']:.1f}) | b8 {m['b8']:.1f} "
-                f"({m['b8'] / m['b1']:.1f}x b1; kernel bound {m['c8']:.1f}: {m['c8'] / m['b1']:.1f}x b1) | "
+                f"{m['read_bytes'] / 1e6:.0f} MB a step{c1}) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1{c8}) | "
                 f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | "
                 f"rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "

@@ -151,11 +151,11 @@ class Runner:
                                            weights=self.weight_format, limits=self.limits)
         del weights
         kv_bytes = kv_cache_mod.KVCache.bytes_for(mc, cfg.slots, self.ctx, self.dtype)
-        free = _available_bytes() if self.device.type == "cpu" else kv_bytes
-        if kv_bytes > free:
-            # the cache is zeroed at start: past the free memory that is an OOM kill mid-load
-            # (and a restart loop), not an error a user can read. The host pool is a cap,
-            # filled as prefixes are saved, so it is not counted here.
+        # the cache is zeroed at start: past the free memory that is an OOM kill mid-load
+        # (and a restart loop), not an error a user can read. The host pool is a cap,
+        # filled as prefixes are saved, so it is not counted here.
+        free = _available_bytes() if self.device.type == "cpu" else None
+        if free is not None and kv_bytes > free:
             raise ModelError(f"the KV cache for {cfg.slots} slots x {self.ctx} tokens needs "
                              f"{kv_bytes / 2**30:.1f} GiB; {free / 2**30:.1f} GiB is available "
                              f"after the weights: lower --ctx or --slots")
