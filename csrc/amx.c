@@ -152,13 +152,6 @@ struct mb_amx_job {
 /* ---- widening: one output's elements [e0, e0 + 256) (or fewer, a legacy row's end)
  * into bfloat16 in element order, its sub-blocks' scales and mins at stride 16 ---- */
 
-/* 32 int8 -> 32 bfloat16 (exact), in order */
-MB_AMX_INLINE __m512i mb_amx_i8_bf16(__m256i v) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
-}
-
 /* bfloat16 bits of the integers -32 .. 31 (exact): the widening's vpermw tables */
 static const uint16_t mb_amx_ints[64] __attribute__((aligned(64))) = {
     0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8,
@@ -239,7 +232,7 @@ MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t 
         __m512i v;
         scale[MB_AMX_OUTS * b] = mb_half(blk);
         if (type == MB_GGML_Q8_0) {
-            v = mb_amx_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
+            v = (__m512i)mb_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
         } else if (type == MB_GGML_Q4_0) {
             v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 2, 0, 0), tab);
         } else if (type == MB_GGML_Q5_0) {

@@ -155,6 +155,16 @@ static inline __attribute__((always_inline, target("avx512f"))) __m512 mb_exp16(
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_setzero_ps());
 }
+
+/* 32 int8 -> 32 bfloat16 (exact: |q| <= 128 has 8 significant bits), in element order,
+ * through int32 and float32: Q8_0's integers for csrc/quant.c's kernels (where the CPU
+ * lacks AVX512-FP16) and csrc/amx.c's widening. */
+static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) __m512bh
+mb_i8_bf16(__m256i v) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
+}
 #endif
 
 #endif /* MASHBOX_BF16_H */

@@ -178,15 +178,9 @@ MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
 }
 
 /* 32 int8 -> 32 bfloat16 (exact), in order: a widening, passed down to mb_q_widen4 as a
- * constant (inlined there; a direct call would have to share its caller's target). */
+ * constant (inlined there; a direct call would have to share its caller's target):
+ * bf16.h's mb_i8_bf16 (through int32 and float32: any AVX512-BF16 CPU) or mb_q_bf16_fp16. */
 typedef __m512bh (*mb_q_int8_bf16)(__m256i);
-
-/* through int32 and float32 (any AVX512-BF16 CPU) */
-MB_Q_INLINE __m512bh mb_q_bf16(__m256i v) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo); /* low half from the second argument */
-}
 
 #if MB_Q_FP16
 /* through float16 (AVX512-FP16): vcvtw2ph is exact for |q| <= 128, whose float16 has its
@@ -229,7 +223,7 @@ MB_Q_INLINE void mb_q_make_tables(const int32_t type, struct mb_q_tables *t) {
 
 /* Four outputs' block b (blk[o]): w[s] holds, in 128-bit lane o, output o's elements
  * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times.
- * Q8_0: a 4 x 4 transpose of 8-byte pieces, then the widening cv (mb_q_bf16, or
+ * Q8_0: a 4 x 4 transpose of 8-byte pieces, then the widening cv (mb_i8_bf16, or
  * mb_q_bf16_fp16 where the CPU has AVX512-FP16). Nibbles:
  * the four outputs' 16 qs bytes side by side in one zmm; unpacking its low (high) nibbles
  * with zero bytes gives steps 0, 1 (2, 3) as 16-bit indices, and one vpermw each maps
@@ -460,14 +454,14 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
             mb_q_many_rows(j, &tb, r0, rows, c0, outs, T, CV);                              \
     }
 
-MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0, MB_Q_TARGET, mb_q_bf16)
+MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0, MB_Q_TARGET, mb_i8_bf16)
 #if MB_Q_FP16
 MB_Q_RUN(mb_q_run_q8_0_fp16, MB_GGML_Q8_0, MB_Q_TARGET_FP16, mb_q_bf16_fp16)
 #endif
-MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0, MB_Q_TARGET, mb_q_bf16)
-MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1, MB_Q_TARGET, mb_q_bf16)
-MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0, MB_Q_TARGET, mb_q_bf16)
-MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1, MB_Q_TARGET, mb_q_bf16)
+MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0, MB_Q_TARGET, mb_i8_bf16)
+MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1, MB_Q_TARGET, mb_i8_bf16)
+MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0, MB_Q_TARGET, mb_i8_bf16)
+MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1, MB_Q_TARGET, mb_i8_bf16)
 
 typedef void (*mb_q_run_fn)(const struct mb_q_job *, int32_t, int32_t, int32_t, int32_t);
 
