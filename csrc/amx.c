@@ -25,7 +25,7 @@
  * tile: E = +0, E = E + a[2p] b[2p] over the pairs p in order, O the same over the odd
  * elements, P = E + O (exact products; every add rounded to nearest even; bfloat16
  * denormals read as zero and float32 denormal sums flushed to zero). The hardware was
- * probed for that order (tests/test_native_amx.py compares bits on random inputs). A
+ * probed for that order (tests/test_native_prompt_rules.py compares bits on random inputs). A
  * row's bits depend on its own x row, weight row, bias and y: never on m, the other rows
  * or the threads. The bits differ from the vdpbf16ps rule's (another order of the same
  * exact products), which is why the decoder sends a row kind to one rule only: prompt
@@ -33,7 +33,7 @@
  *
  * How: x is first packed in tile order (each 16-row x tile one contiguous KB: x's own
  * rows, k * 2 bytes apart, all fall in one L1 set when k is a multiple of 2048). A work
- * item is 32 outputs x up to MB_AMX_ROWS rows. Its weights are widened, MB_AMX_CHUNK
+ * item is 32 outputs x up to MB_AMX_ROWS rows. Its weights are widened, MB_WIDE_CHUNK
  * elements at a time, into bfloat16 (each output's chunk in element order, by SIMD code
  * per block type), then transposed into the tile B layout (pair p of output o at dword
  * [p][o]; 16 KB, in L1), the next chunk's blocks prefetched meanwhile. Per pair of row
@@ -50,47 +50,24 @@
 #include "mashbox.h"
 #include "bf16.h"
 #include "ggml_blocks.h"
+#include "widen.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#define MB_AMX_OUTS 32    /* outputs per work item: two B tiles' columns */
 #define MB_AMX_ROWS 512   /* rows per work item (64 KB of parked accumulators): each output's
                            * blocks widened once for a 512-token prefill chunk */
-#define MB_AMX_CHUNK 256  /* weight elements widened at a time: one K-quant block, 8 legacy ones */
 #define MB_AMX_FEW 16     /* rows up to which x is the B operand and the weights A: short prompt runs */
 
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#if MB_WIDE /* csrc/widen.h's widening: the compilers that know AMX too */
 #define MB_AMX 1
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #else
 #define MB_AMX 0
 #endif
-
-struct mb_amx_format {
-    int32_t block;  /* elements per block */
-    int32_t bytes;  /* bytes per block */
-    int32_t sub;    /* L: elements per sub-block (one scale) */
-    int32_t has_min;
-};
-
-static int mb_amx_format(int32_t type, struct mb_amx_format *f) {
-    switch (type) {
-    case MB_GGML_Q8_0: *f = (struct mb_amx_format){32, 34, 32, 0}; return 1;
-    case MB_GGML_Q4_0: *f = (struct mb_amx_format){32, 18, 32, 0}; return 1;
-    case MB_GGML_Q4_1: *f = (struct mb_amx_format){32, 20, 32, 1}; return 1;
-    case MB_GGML_Q5_0: *f = (struct mb_amx_format){32, 22, 32, 0}; return 1;
-    case MB_GGML_Q5_1: *f = (struct mb_amx_format){32, 24, 32, 1}; return 1;
-    case MB_GGML_Q4_K: *f = (struct mb_amx_format){256, 144, 32, 1}; return 1;
-    case MB_GGML_Q5_K: *f = (struct mb_amx_format){256, 176, 32, 1}; return 1;
-    case MB_GGML_Q6_K: *f = (struct mb_amx_format){256, 210, 16, 0}; return 1;
-    default: return 0;
-    }
-}
 
 #if MB_AMX
 
@@ -139,7 +116,7 @@ MB_AMX_INLINE void mb_amx_configure(int32_t sub) {
 
 struct mb_amx_job {
     struct mb_q_call a;
-    struct mb_amx_format fmt;
+    struct mb_wide_format fmt;
     const uint16_t *xp; /* x packed in tile order (mb_amx_pack) */
     const float *sx;    /* [m, k / L] S sums of x (formats with a min), else NULL */
     const uint32_t *xb; /* few rows: x in B pairs, dword [e / 2][m] = (x[r, e], x[r, e + 1]) */
@@ -148,138 +125,6 @@ struct mb_amx_job {
     int32_t groups, chunks;
     int64_t items, next, threads;
 };
-
-/* ---- widening: one output's elements [e0, e0 + 256) (or fewer, a legacy row's end)
- * into bfloat16 in element order, its sub-blocks' scales and mins at stride 16 ---- */
-
-/* bfloat16 bits of the integers -32 .. 31 (exact): the widening's vpermw tables */
-static const uint16_t mb_amx_ints[64] __attribute__((aligned(64))) = {
-    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8,
-    0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0, 0xc198, 0xc190, 0xc188,
-    0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110,
-    0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
-    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-    0x4180, 0x4188, 0x4190, 0x4198, 0x41a0, 0x41a8, 0x41b0, 0x41b8,
-    0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8,
-};
-
-/* the table of i - off for i = 0 .. 31 (off 0, 8, 16 or 32) */
-MB_AMX_INLINE __m512i mb_amx_table(int off) { return _mm512_loadu_si512(mb_amx_ints + 32 - off); }
-
-/* Legacy block: 16 bytes of nibbles (elements j and j + 16 in byte j) and, for Q5_*, the
- * fifth bits qh (bit e for element e) -> the 32 integers' table indices, in order */
-MB_AMX_INLINE __m512i mb_amx_nibbles(const uint8_t *qs, uint32_t qh, int high) {
-    __m128i b = _mm_loadu_si128((const __m128i *)qs), f = _mm_set1_epi8(15);
-    __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));
-    __m512i idx = _mm512_cvtepu8_epi16(both);
-    if (high)
-        idx = _mm512_mask_add_epi16(idx, (__mmask32)qh, idx, _mm512_set1_epi16(16));
-    return idx;
-}
-
-MB_AMX_INLINE void mb_amx_widen(const int32_t type, const uint8_t *row, int32_t e0, int32_t elems,
-                                uint16_t *out, float *scale, float *mins) {
-    if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K) {
-        const int q5 = type == MB_GGML_Q5_K;
-        const uint8_t *blk = row + (size_t)(e0 / 256) * (q5 ? 176 : 144);
-        float d = mb_half(blk), dmin = mb_half(blk + 2);
-        uint32_t sc[8], mn[8];
-        mb_k_scales(blk + 4, sc, mn);
-        const uint8_t *qs = blk + (q5 ? 48 : 16);
-        const __m512i tab = mb_amx_table(0);
-        const __m256i f = _mm256_set1_epi8(15);
-        __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 8; j++) {
-            __m256i b = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
-            b = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(b, 4) : b, f);
-            __m512i idx = _mm512_cvtepu8_epi16(b);
-            if (q5) /* sub-block j's fifth bits: bit j of qh[l] */
-                idx = _mm512_mask_add_epi16(idx, _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << j))), idx,
-                                            _mm512_set1_epi16(16));
-            _mm512_storeu_si512(out + 32 * j, _mm512_permutexvar_epi16(idx, tab));
-            scale[MB_AMX_OUTS * j] = d * (float)sc[j];
-            mins[MB_AMX_OUTS * j] = -(dmin * (float)mn[j]);
-        }
-        return;
-    }
-    if (type == MB_GGML_Q6_K) {
-        const uint8_t *blk = row + (size_t)(e0 / 256) * 210;
-        float d = mb_half(blk + 208);
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const __m512i lo = mb_amx_table(32), hi = mb_amx_table(0); /* u - 32 for u < 32, u >= 32 */
-        const __m256i f = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; h++) { /* element 128h + 32g + l: 4 low bits from ql, 2 high from qh */
-            __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
-            for (int g = 0; g < 4; g++) {
-                __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (g & 1)));
-                __m256i low = _mm256_and_si256(g >> 1 ? _mm256_srli_epi16(ql, 4) : ql, f);
-                __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), three);
-                __m256i u = _mm256_or_si256(low, _mm256_slli_epi16(top, 4)); /* 0..63 per byte */
-                __m512i w = _mm512_permutex2var_epi16(lo, _mm512_cvtepu8_epi16(u), hi);
-                _mm512_storeu_si512(out + 128 * h + 32 * g, w);
-            }
-        }
-        for (int s = 0; s < 16; s++)
-            scale[MB_AMX_OUTS * s] = d * (float)sc[s];
-        return;
-    }
-    const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
-                      : type == MB_GGML_Q5_0 ? 22 : 24;
-    const __m512i tab = mb_amx_table(type == MB_GGML_Q4_0 ? 8 : type == MB_GGML_Q5_0 ? 16 : 0);
-    for (int32_t b = 0; b < elems / 32; b++) {
-        const uint8_t *blk = row + (size_t)(e0 / 32 + b) * bytes;
-        __m512i v;
-        scale[MB_AMX_OUTS * b] = mb_half(blk);
-        if (type == MB_GGML_Q8_0) {
-            v = (__m512i)mb_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
-        } else if (type == MB_GGML_Q4_0) {
-            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 2, 0, 0), tab);
-        } else if (type == MB_GGML_Q5_0) {
-            uint32_t qh;
-            memcpy(&qh, blk + 2, 4);
-            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 6, qh, 1), tab);
-        } else if (type == MB_GGML_Q4_1) {
-            mins[MB_AMX_OUTS * b] = mb_half(blk + 2);
-            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 4, 0, 0), tab);
-        } else { /* Q5_1 */
-            uint32_t qh;
-            memcpy(&qh, blk + 4, 4);
-            mins[MB_AMX_OUTS * b] = mb_half(blk + 2);
-            v = _mm512_permutexvar_epi16(mb_amx_nibbles(blk + 8, qh, 1), tab);
-        }
-        _mm512_storeu_si512(out + 32 * b, v);
-    }
-}
-
-/* wide [16 outputs][256] bfloat16 -> B [pairs][16 outputs] dwords: 16 x 16 dword
- * transposes (two unpack stages within 128-bit lanes, then the 4 x 4 of lanes) */
-MB_AMX_INLINE void mb_amx_transpose(const uint16_t *wide, int32_t pairs, uint32_t *B) {
-    for (int32_t p0 = 0; p0 < pairs; p0 += 16) {
-        __m512i r[16], t[16];
-        for (int o = 0; o < 16; o++)
-            r[o] = _mm512_loadu_si512(wide + 256 * o + 2 * p0);
-        for (int i = 0; i < 8; i++) {
-            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; i++) { /* r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3 */
-            r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        for (int j = 0; j < 4; j++) {
-            __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), b = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
-            __m512i c = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
-            __m512i e = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
-            _mm512_storeu_si512(B + 16 * (p0 + j), _mm512_shuffle_i32x4(a, c, 0x88));
-            _mm512_storeu_si512(B + 16 * (p0 + 4 + j), _mm512_shuffle_i32x4(a, c, 0xdd));
-            _mm512_storeu_si512(B + 16 * (p0 + 8 + j), _mm512_shuffle_i32x4(b, e, 0x88));
-            _mm512_storeu_si512(B + 16 * (p0 + 12 + j), _mm512_shuffle_i32x4(b, e, 0xdd));
-        }
-    }
-}
 
 /* x [m, k] (rows ldx apart) -> xp in tile order: tile t (rows 16t .. 16t + 15, past m
  * zero) and sub-block s (L elements) at ((t * k / L) + s) * 16 * L, its 16 rows L apart:
@@ -334,7 +179,7 @@ MB_AMX_INLINE void mb_amx_fold(float *park, const float *cbuf, const float *scal
         const __m512 sv = _mm512_loadu_ps(scale + 16 * grp);
         const __m512 mv = has_min ? _mm512_loadu_ps(mins + 16 * grp) : _mm512_setzero_ps();
         for (int r = 0; r < 16; r++) {
-            float *p = park + (size_t)(16 * half + r) * MB_AMX_OUTS + 16 * grp;
+            float *p = park + (size_t)(16 * half + r) * MB_WIDE_OUTS + 16 * grp;
             __m512 acc = _mm512_fmadd_ps(_mm512_load_ps(cbuf + 256 * q + 16 * r), sv, _mm512_load_ps(p));
             if (has_min)
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(sx[(size_t)(16 * half + r) * ld_sx]), mv, acc);
@@ -343,60 +188,26 @@ MB_AMX_INLINE void mb_amx_fold(float *park, const float *cbuf, const float *scal
     }
 }
 
-/* Row r's outputs [c0, c0 + outs) from acc: + bias, then y as y_mode says (vcvtneps2bf16
- * rounds as mb_round_bf16 does: nearest even, denormals to zero; csrc/linear.c's store) */
-MB_AMX_INLINE void mb_amx_store(const struct mb_amx_job *j, int32_t r, int32_t c0, int32_t outs, const float *acc) {
-    for (int v = 0; v < 2 && 16 * v < outs; v++) {
-        const int32_t col = c0 + 16 * v, lanes = outs - 16 * v < 16 ? outs - 16 * v : 16;
-        const __mmask16 mask = (__mmask16)((1u << lanes) - 1u);
-        __m512 out = _mm512_load_ps(acc + 16 * v);
-        if (j->a.bias)
-            out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, j->a.bias + col));
-        const size_t at = (size_t)r * j->a.ldy + col;
-        if (j->a.y_mode == MB_Y_F32) {
-            _mm512_mask_storeu_ps((float *)j->a.y + at, mask, out);
-            continue;
-        }
-        if (j->a.y_mode == MB_Y_ADD_BF16) { /* y + out: y's bfloat16 widened exactly */
-            __m256i old = _mm256_maskz_loadu_epi16(mask, (uint16_t *)j->a.y + at);
-            out = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)), out);
-        }
-        _mm256_mask_storeu_epi16((uint16_t *)j->a.y + at, mask, (__m256i)_mm512_cvtneps_pbh(out));
-    }
-}
-
-/* The item's next chunk's blocks after chunk e0 (its 32 outputs' rows apart in memory):
- * asked for now, they arrive while the tiles run this one */
-MB_AMX_INLINE void mb_amx_prefetch_next(const struct mb_amx_job *j, const uint8_t *const *wr, int32_t e0) {
-    if (e0 + MB_AMX_CHUNK >= j->a.k)
-        return;
-    const size_t at = (size_t)(e0 + MB_AMX_CHUNK) / j->fmt.block * j->fmt.bytes;
-    const int32_t bytes = MB_AMX_CHUNK / j->fmt.block * j->fmt.bytes;
-    for (int o = 0; o < MB_AMX_OUTS; o++)
-        for (int32_t off = 0; off < bytes; off += 64)
-            _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
-}
-
 MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
                                const int32_t type) {
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
     const int64_t subs_row = j->a.k / L; /* sx's row stride */
-    uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
-    uint32_t B[2][MB_AMX_CHUNK / 2 * 16] __attribute__((aligned(64)));
-    float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
+    uint16_t wide[MB_WIDE_OUTS * MB_WIDE_CHUNK] __attribute__((aligned(64)));
+    uint32_t B[2][MB_WIDE_CHUNK / 2 * 16] __attribute__((aligned(64)));
+    float scale[16 * MB_WIDE_OUTS] __attribute__((aligned(64))), mins[16 * MB_WIDE_OUTS] __attribute__((aligned(64)));
     float cbuf[4 * 256] __attribute__((aligned(64)));
-    float park[MB_AMX_ROWS * MB_AMX_OUTS] __attribute__((aligned(64)));
-    const uint8_t *wr[MB_AMX_OUTS];
-    for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
+    float park[MB_AMX_ROWS * MB_WIDE_OUTS] __attribute__((aligned(64)));
+    const uint8_t *wr[MB_WIDE_OUTS];
+    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
         wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
-    memset(park, 0, sizeof(float) * (size_t)((rows + 31) / 32 * 32) * MB_AMX_OUTS);
-    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_AMX_CHUNK) {
-        const int32_t elems = j->a.k - e0 < MB_AMX_CHUNK ? j->a.k - e0 : MB_AMX_CHUNK, subs = elems / L;
-        for (int o = 0; o < MB_AMX_OUTS; o++)
-            mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
-        mb_amx_transpose(wide, elems / 2, B[0]);
-        mb_amx_transpose(wide + 16 * MB_AMX_CHUNK, elems / 2, B[1]);
-        mb_amx_prefetch_next(j, wr, e0);
+    memset(park, 0, sizeof(float) * (size_t)((rows + 31) / 32 * 32) * MB_WIDE_OUTS);
+    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_WIDE_CHUNK) {
+        const int32_t elems = j->a.k - e0 < MB_WIDE_CHUNK ? j->a.k - e0 : MB_WIDE_CHUNK, subs = elems / L;
+        for (int o = 0; o < MB_WIDE_OUTS; o++)
+            mb_widen(type, wr[o], e0, elems, wide + MB_WIDE_CHUNK * o, scale + o, mins + o);
+        mb_wide_transpose(wide, elems / 2, B[0]);
+        mb_wide_transpose(wide + 16 * MB_WIDE_CHUNK, elems / 2, B[1]);
+        mb_wide_prefetch(&j->a, &j->fmt, wr, e0);
         for (int32_t t = 0; t < rows; t += 32) { /* row tiles in pairs (xp's padding rows are zero) */
             const uint16_t *a0 = j->xp + ((size_t)(r0 + t) / 16 * subs_row + (size_t)(e0 / L)) * 16 * L;
             const uint16_t *a1 = a0 + (size_t)subs_row * 16 * L;
@@ -405,13 +216,13 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
             for (int32_t s = 0; s < subs; s++) {
                 mb_amx_tdp4(a0 + (size_t)s * 16 * L, a1 + (size_t)s * 16 * L, lda, B[0] + 16 * (s * L / 2),
                             B[1] + 16 * (s * L / 2), cbuf);
-                mb_amx_fold(park + (size_t)t * MB_AMX_OUTS, cbuf, scale + MB_AMX_OUTS * s, mins + MB_AMX_OUTS * s,
+                mb_amx_fold(park + (size_t)t * MB_WIDE_OUTS, cbuf, scale + MB_WIDE_OUTS * s, mins + MB_WIDE_OUTS * s,
                             has_min ? sx + s : NULL, subs_row, has_min);
             }
         }
     }
     for (int32_t r = 0; r < rows; r++)
-        mb_amx_store(j, r0 + r, c0, outs, park + (size_t)r * MB_AMX_OUTS);
+        mb_wide_store(&j->a, r0 + r, c0, outs, park + (size_t)r * MB_WIDE_OUTS);
 }
 
 /* ---- few rows (m <= MB_AMX_FEW, a short prompt run): the same rule, the operands swapped ----
@@ -461,10 +272,10 @@ MB_AMX_INLINE void mb_amx_fold_few(const struct mb_amx_job *j, float *acc, const
 #define MB_AMX_FEW_PRODUCTS(C0, C1, A, B, a, b, ldb)          \
     do {                                                      \
         _tile_loadd(B, b, ldb);                               \
-        _tile_loadd(A, a, 2 * MB_AMX_CHUNK);                  \
+        _tile_loadd(A, a, 2 * MB_WIDE_CHUNK);                  \
         _tile_zero(C0);                                       \
         _tile_dpbf16ps(C0, A, B);                             \
-        _tile_loadd(A, (a) + 16 * MB_AMX_CHUNK, 2 * MB_AMX_CHUNK); \
+        _tile_loadd(A, (a) + 16 * MB_WIDE_CHUNK, 2 * MB_WIDE_CHUNK); \
         _tile_zero(C1);                                       \
         _tile_dpbf16ps(C1, A, B);                             \
     } while (0)
@@ -473,20 +284,20 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
     const int has_min = j->fmt.has_min, L = j->fmt.sub;
     const int32_t m = j->a.m;
     const int64_t ldb = 4 * (int64_t)m, ldc = ldb;
-    uint16_t wide[MB_AMX_OUTS * MB_AMX_CHUNK] __attribute__((aligned(64)));
-    float scale[16 * MB_AMX_OUTS] __attribute__((aligned(64))), mins[16 * MB_AMX_OUTS] __attribute__((aligned(64)));
+    uint16_t wide[MB_WIDE_OUTS * MB_WIDE_CHUNK] __attribute__((aligned(64)));
+    float scale[16 * MB_WIDE_OUTS] __attribute__((aligned(64))), mins[16 * MB_WIDE_OUTS] __attribute__((aligned(64)));
     float cbuf[4 * 16 * MB_AMX_FEW] __attribute__((aligned(64)));
-    float acc[MB_AMX_OUTS * MB_AMX_FEW] __attribute__((aligned(64))); /* [32 outputs][m] */
-    float row[MB_AMX_OUTS] __attribute__((aligned(64)));
-    const uint8_t *wr[MB_AMX_OUTS];
-    for (int o = 0; o < MB_AMX_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
+    float acc[MB_WIDE_OUTS * MB_AMX_FEW] __attribute__((aligned(64))); /* [32 outputs][m] */
+    float row[MB_WIDE_OUTS] __attribute__((aligned(64)));
+    const uint8_t *wr[MB_WIDE_OUTS];
+    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
         wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
-    memset(acc, 0, sizeof(float) * MB_AMX_OUTS * (size_t)m);
-    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_AMX_CHUNK) {
-        const int32_t elems = j->a.k - e0 < MB_AMX_CHUNK ? j->a.k - e0 : MB_AMX_CHUNK, subs = elems / L, s0 = e0 / L;
-        for (int o = 0; o < MB_AMX_OUTS; o++)
-            mb_amx_widen(type, wr[o], e0, elems, wide + MB_AMX_CHUNK * o, scale + o, mins + o);
-        mb_amx_prefetch_next(j, wr, e0);
+    memset(acc, 0, sizeof(float) * MB_WIDE_OUTS * (size_t)m);
+    for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_WIDE_CHUNK) {
+        const int32_t elems = j->a.k - e0 < MB_WIDE_CHUNK ? j->a.k - e0 : MB_WIDE_CHUNK, subs = elems / L, s0 = e0 / L;
+        for (int o = 0; o < MB_WIDE_OUTS; o++)
+            mb_widen(type, wr[o], e0, elems, wide + MB_WIDE_CHUNK * o, scale + o, mins + o);
+        mb_wide_prefetch(&j->a, &j->fmt, wr, e0);
         /* sub-block s's products (C tiles 0, 1 for an even s, 2, 3 for an odd one), then
          * s - 1's stores and fold: a C tile's store waits on its product, so each store
          * runs behind the next sub-block's products instead of before them */
@@ -512,14 +323,14 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
             }
             for (int grp = 0; grp < 2; grp++)
                 mb_amx_fold_few(j, acc + (size_t)16 * grp * m, cb + 16 * MB_AMX_FEW * grp,
-                                scale + MB_AMX_OUTS * sub + 16 * grp, mins + MB_AMX_OUTS * sub + 16 * grp,
+                                scale + MB_WIDE_OUTS * sub + 16 * grp, mins + MB_WIDE_OUTS * sub + 16 * grp,
                                 has_min ? j->sb + (size_t)(s0 + sub) * 16 : NULL, has_min);
         }
     }
     for (int32_t r = 0; r < m; r++) {
-        for (int o = 0; o < MB_AMX_OUTS; o++)
+        for (int o = 0; o < MB_WIDE_OUTS; o++)
             row[o] = acc[(size_t)o * m + r];
-        mb_amx_store(j, r, c0, outs, row);
+        mb_wide_store(&j->a, r, c0, outs, row);
     }
 }
 
@@ -562,9 +373,9 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
         }
         for (int64_t i = first; i < first + take; i++) {
             int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
-            int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_AMX_OUTS;
+            int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_WIDE_OUTS;
             run(j, r0, j->a.m - r0 < MB_AMX_ROWS ? j->a.m - r0 : MB_AMX_ROWS, c0,
-                j->a.n - c0 < MB_AMX_OUTS ? j->a.n - c0 : MB_AMX_OUTS);
+                j->a.n - c0 < MB_WIDE_OUTS ? j->a.n - c0 : MB_WIDE_OUTS);
         }
     }
     if (configured)
@@ -622,10 +433,10 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     struct mb_amx_job j;
     memset(&j, 0, sizeof j);
     j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
-    if (!mb_amx_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
+    if (!mb_wide_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
         row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || !mb_amx_supported())
         return MB_EINVAL;
-    j.groups = (n + MB_AMX_OUTS - 1) / MB_AMX_OUTS;
+    j.groups = (n + MB_WIDE_OUTS - 1) / MB_WIDE_OUTS;
     if (m <= MB_AMX_FEW) {
         uint32_t *xb = NULL;
         uint16_t *xp = NULL;

@@ -12,7 +12,7 @@ from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("sample.c", "mask.c", "stop.c", "prefix.c", "linear.c", "attention.c", "layers.c", "quant.c",
-           "kquant.c", "amx.c")
+           "kquant.c", "amx.c", "lanes.c")
 
 
 def _cdef() -> str:
@@ -42,7 +42,7 @@ ffibuilder.set_source(
     '#include "mashbox.h"',
     sources=[_path(s) for s in SOURCES],
     include_dirs=[_path("")],
-    depends=[_path("mashbox.h"), _path("bf16.h"), _path("ggml_blocks.h")],
+    depends=[_path("mashbox.h"), _path("bf16.h"), _path("ggml_blocks.h"), _path("widen.h")],
     extra_compile_args=FLAGS,
     libraries=[] if sys.platform == "win32" else ["m"],  # sqrt in linear.c
 )

@@ -224,6 +224,18 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
                       const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                       int32_t y_mode, int64_t ldy, void *parallel, int32_t threads);
 
+/* 1 when mb_q_linear_lanes runs here: a CPU with AVX512-BF16 (csrc/lanes.c). */
+int mb_lanes_supported(void);
+
+/* mb_q_linear's y on vdpbf16ps lanes, by the lanes rule (csrc/lanes.c states it): the
+ * prompt rows' kernel where AMX tiles are missing; another fixed order of the same exact
+ * products per output, so other bits than mb_q_linear's and mb_q_linear_tiles', and as
+ * batch invariant. Every block type mb_q_linear takes; the same arguments less kernel.
+ * MB_EINVAL where mb_lanes_supported() is 0. */
+int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads);
+
 /* Prefill attention (csrc/attention.c states the arithmetic): for each of t prompt rows,
  * its lens[r] queries q[firsts[r] + i] (bfloat16 [heads, head_dim], rows ldq apart, n_q of
  * them) at positions starts[r] + i attend causally over the keys of slot slots[r] in the

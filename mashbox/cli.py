@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                      "would take over 1 GiB (a model of ~540M parameters or more: blocks read fewer bytes a "
                      "step) or over half the available memory, else dense): gguf (kept in the file's blocks, bfloat16 "
                      "on a CPU with AVX512-BF16: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K read as they are, "
-                     "prompt rows on AMX-BF16 tiles where the CPU has them, other types dequantized; about "
+                     "prompt rows on AMX-BF16 tiles where the CPU has them, else on vdpbf16ps lanes, other types dequantized; about "
                      "the file's memory), dense (in "
                      "--dtype), or weight-only int8 / int4 (opt-in, bfloat16 on a CPU only: logits "
                      "within ~1%% of dense)")

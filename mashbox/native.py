@@ -778,10 +778,29 @@ def amx_supported() -> bool:
 def q_linear_tiles_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
                        bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
     """mb_q_linear_tiles on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
-    _check(_lib.mb_q_linear_tiles(
-        qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
-        _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy,
-        _ffi.cast("void *", parallel), threads), "q_linear_tiles")
+    _prompt_ptr(_lib.mb_q_linear_tiles, "q_linear_tiles", qtype, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode,
+                ldy, parallel, threads)
+
+
+def lanes_supported() -> bool:
+    """mb_q_linear_lanes runs here (a CPU with AVX512-BF16)."""
+    return _lib is not None and bool(_lib.mb_lanes_supported())
+
+
+def q_linear_lanes_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
+                       bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
+    """mb_q_linear_lanes on addresses, as q_linear_tiles_ptr's."""
+    _prompt_ptr(_lib.mb_q_linear_lanes, "q_linear_lanes", qtype, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode,
+                ldy, parallel, threads)
+
+
+def _prompt_ptr(fn, name: str, qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
+                bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
+    """One of the prompt rules' C entries (mb_q_linear_tiles, mb_q_linear_lanes: the same
+    arguments) on addresses."""
+    _check(fn(qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
+              _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy,
+              _ffi.cast("void *", parallel), threads), name)
 
 
 def q_block_row_bytes(qtype: int, k: int) -> int:
@@ -797,6 +816,22 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
                    threads: int = 1) -> np.ndarray:
     """native_ref.q_linear_tiles through the AMX kernel (where amx_supported(); else the
     reference): w uint8[n, row_bytes] blocks of any type q_linear takes, x uint16[m, k]."""
+    return _q_prompt(amx_supported(), native_ref.q_linear_tiles, q_linear_tiles_ptr, qtype, w, x, bias, y_f32,
+                     add_to, parallel, threads)
+
+
+def q_linear_lanes(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+                   y_f32: bool = False, add_to: np.ndarray | None = None, parallel: int = 0,
+                   threads: int = 1) -> np.ndarray:
+    """native_ref.q_linear_lanes through the vdpbf16ps lanes kernel (where
+    lanes_supported(); else the reference), as q_linear_tiles'."""
+    return _q_prompt(lanes_supported(), native_ref.q_linear_lanes, q_linear_lanes_ptr, qtype, w, x, bias, y_f32,
+                     add_to, parallel, threads)
+
+
+def _q_prompt(runs: bool, ref, ptr, qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None,
+              y_f32: bool, add_to: np.ndarray | None, parallel: int, threads: int) -> np.ndarray:
+    """A prompt rule on arrays: checked, then its kernel (ptr) where it runs, else ref."""
     x = _array(x, np.uint16, "x", 2)
     w = _array(w, np.uint8, "w", 2)
     m, k = x.shape
@@ -805,9 +840,9 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
     if m < 1 or n < 1 or row_bytes == 0 or w.shape[1] != row_bytes:
         raise ValueError(f"w must be [n >= 1, {row_bytes}] bytes of type {qtype} for x {x.shape}, got {w.shape}")
     bias, add_to = _linear_extras(bias, add_to, y_f32, m, n)
-    if not amx_supported():
-        return native_ref.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
+    if not runs:
+        return ref(qtype, w, x, bias, y_f32, add_to)
     y, mode = _linear_y(add_to, y_f32, m, n)
-    q_linear_tiles_ptr(qtype, w.ctypes.data, row_bytes, n, k, x.ctypes.data, k, m,
-                       0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, parallel, threads)
+    ptr(qtype, w.ctypes.data, row_bytes, n, k, x.ctypes.data, k, m,
+        0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, parallel, threads)
     return y

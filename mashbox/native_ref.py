@@ -871,19 +871,49 @@ def _tdp(x: np.ndarray, q: np.ndarray) -> np.ndarray:
     return _flush(np.asarray(e + o, dtype=np.float32))
 
 
-def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
-                   y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
-    """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype (any type
-    q_linear or kq_linear takes) -> y as bf16_linear's, by the tile rule above."""
+def _q_linear_subs(dot, qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None,
+                   y_f32: bool, add_to: np.ndarray | None) -> np.ndarray:
+    """The prompt rules' shared frame: per sub-block P = dot(x_s, q_s), acc = fma(P,
+    scale_s, acc), with a min S = dot(x_s, 1), acc = fma(S, min_s, acc)."""
     q, scale, mins = tile_parts(qtype, w)  # [n, S, L], [n, S]
     m, L = x.shape[0], q.shape[-1]
     xf = _flush(bf16_to_f32(x)).reshape(m, 1, -1, L)  # [m, 1, S, L]
     with np.errstate(all="ignore"):
-        p = _tdp(xf, q[None])  # [m, n, S]
-        sums = _tdp(xf, np.ones((1, 1, 1, L), dtype=np.float32)) if mins is not None else None  # [m, 1, S]
+        p = dot(xf, q[None])  # [m, n, S]
+        sums = dot(xf, np.ones((1, 1, 1, L), dtype=np.float32)) if mins is not None else None  # [m, 1, S]
         acc = np.zeros((m, q.shape[0]), dtype=np.float32)
         for s in range(q.shape[1]):
             acc = _fma32(p[:, :, s], scale[None, :, s], acc)
             if mins is not None:
                 acc = _fma32(sums[:, :, s], mins[None, :, s], acc)
     return _linear_y(acc, bias, add_to, y_f32)
+
+
+def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+                   y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
+    """x uint16[m, k] bfloat16 bits, w uint8[n, row_bytes] GGUF blocks of qtype (any type
+    q_linear or kq_linear takes) -> y as bf16_linear's, by the tile rule above."""
+    return _q_linear_subs(_tdp, qtype, w, x, bias, y_f32, add_to)
+
+
+# ---- the lanes rule (csrc/lanes.c): prompt rows of the GGUF linears on vdpbf16ps lanes ----
+#
+# The tile rule's frame with another dot: one vdpbf16ps chain from +0 per sub-block, P =
+# flush(flush(P + x[2p + 1] q[2p + 1]) + x[2p] q[2p]) over the pairs p in order (x
+# flushed), the instruction's own order (kq_linear's pair step).
+
+
+def _lanes_dp(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """x float32[m, 1, S, L] (flushed), q float32[1 or n, ..., S, L] -> [m, n, S]: one chain
+    over the pairs, the odd element's product first."""
+    p = np.float32(0)
+    for i in range(x.shape[-1] // 2):
+        p = _flush(np.asarray(p + x[..., 2 * i + 1] * q[..., 2 * i + 1], dtype=np.float32))
+        p = _flush(np.asarray(p + x[..., 2 * i] * q[..., 2 * i], dtype=np.float32))
+    return p
+
+
+def q_linear_lanes(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+                   y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
+    """As q_linear_tiles, by the lanes rule above."""
+    return _q_linear_subs(_lanes_dp, qtype, w, x, bias, y_f32, add_to)

@@ -349,8 +349,8 @@ def _blocks(w: torch.Tensor, qtype: int, n: int, k: int) -> int:
 
 def _q_call(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
             y: torch.Tensor, mode: int) -> Optional[tuple]:
-    """The checked leading arguments of mb_q_linear and mb_q_linear_tiles (up to y's
-    stride); None for no rows."""
+    """The checked leading arguments of mb_q_linear, mb_q_linear_tiles and
+    mb_q_linear_lanes (up to y's stride); None for no rows."""
     _rows(x, "x", torch.bfloat16, k)
     row_bytes = _blocks(w, qtype, n, k)
     m = _linear_out(x, bias, y, mode, n)
@@ -376,3 +376,12 @@ def q_linear_tiles(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor,
     args = _q_call(qtype, w, n, k, x, bias, y, mode)
     if args:
         native.q_linear_tiles_ptr(*args, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
+
+
+def q_linear_lanes(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
+                   y: torch.Tensor, mode: int) -> None:
+    """q_linear's y by the lanes rule on vdpbf16ps lanes (csrc/lanes.c): the prompt rows'
+    kernel where AMX tiles are missing, where native.lanes_supported()."""
+    args = _q_call(qtype, w, n, k, x, bias, y, mode)
+    if args:
+        native.q_linear_lanes_ptr(*args, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())

@@ -237,7 +237,7 @@ class Decoder:
         instead (other logits than dense, still batch invariant); a weight whose input
         size the int4 groups do not divide stays dense."""
         kind, kernel = self.kernels.linears, self.kernels.kernel
-        tiles = self.kernels.prompt_linears == "amx"  # prompt rows on AMX tiles (QuantLinear)
+        rule = self.kernels.prompt_linears  # the prompt rows' rule (QuantLinear)
         arena = None
         if kind == "csrc" and weights in ("dense", "gguf"):
             order = [w for p in parts for w in (*_split(p.qkv), p.o, p.gate_up, p.down)] + [self._head]
@@ -249,10 +249,10 @@ class Decoder:
             if isinstance(w, tuple):  # q|k and v blocks of two types
                 qk, v = w
                 into = None if arena is None else (arena.take(qk.nbytes), arena.take(v.nbytes))
-                return QkvSplit(qk, v, bias, kernel=kernel or None, into=into, tiles=tiles)
+                return QkvSplit(qk, v, bias, kernel=kernel or None, into=into, prompt_rule=rule)
             if isinstance(w, BlockWeight):
                 into = None if arena is None else arena.take(w.nbytes)
-                return QuantLinear(w, bias, kernel=kernel or None, into=into, tiles=tiles)
+                return QuantLinear(w, bias, kernel=kernel or None, into=into, prompt_rule=rule)
             if fmt == "int4" and w.shape[1] % INT4_GROUP == 0 and w.shape[0] % 8 == 0:
                 return Int4Weight.of(w, bias)
             if fmt == "int8":
@@ -320,7 +320,7 @@ class Decoder:
             ids = F.pad(ids, (0, Tp - T))
             positions = F.pad(positions, (0, Tp - T))
         x = self._embed(ids)  # [Tp, hidden]
-        prompt = _prompt_runs(batch) if self.kernels.prompt_linears == "amx" else ()
+        prompt = _prompt_runs(batch) if self.kernels.prompt_linears != "same" else ()
         x = self.loop.run(x, Step(T, Tp, batch.positions, positions, plan, cache, self._rope_table(cache.ctx),
                                   prompt))
         last = x[plan.last_tokens]  # [rows, hidden]

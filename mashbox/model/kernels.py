@@ -18,10 +18,13 @@ Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs her
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
 - prompt_linears: the GGUF linears' prompt rows (every row not flagged in
   Batch.row_decode) on AMX tiles ("amx": csrc/amx.c's tile rule, several times the
-  vdpbf16ps kernels' speed at prefill) or on the decode rows' kernel ("same"). "auto"
-  takes amx for weights gguf on csrc's linears where the tiles run
-  (native.amx_supported()) and the kernel is the AVX512-BF16 one. A row's bits depend on
-  its kind alone, so chunked prefill and batching stay invariant either way.
+  vdpbf16ps kernels' speed at prefill), on vdpbf16ps lanes ("lanes": csrc/lanes.c's
+  lanes rule, each output's blocks widened once per 512 rows: 1.2-2.2x the decode
+  kernels at prefill, benchmarks/quant.py) or on the decode rows' kernel ("same").
+  "auto" takes amx for weights gguf on csrc's linears where the tiles run
+  (native.amx_supported()) and the kernel is the AVX512-BF16 one, else lanes there. A
+  row's bits depend on its kind alone, so chunked prefill and batching stay invariant
+  either way.
 - kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16, or
   native.KERNEL_PORTABLE: plain C on any CPU, the same bits, slow: what the tests force
   on a machine without AVX512-BF16). 0: the fastest here; "auto" takes csrc only where
@@ -44,7 +47,7 @@ LINEARS = ("auto", "csrc", "onednn", "torch")
 ATTENTION = ("auto", "csrc", "sdpa")
 PREFILL = ("auto", "csrc", "sdpa")
 LAYERS = ("auto", "c", "python")
-PROMPT_LINEARS = ("auto", "amx", "same")
+PROMPT_LINEARS = ("auto", "amx", "lanes", "same")
 KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
 
 
@@ -115,13 +118,16 @@ class Kernels:
         elif layers == "c" and not in_c:
             raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
-        tiles = linears == "csrc" and weights == "gguf" and native.amx_supported()
+        quant = linears == "csrc" and weights == "gguf" and kernel == native.KERNEL_AVX512BF16
+        runs = {"amx": quant and native.amx_supported(), "lanes": quant and native.lanes_supported(), "same": True}
         prompt_linears = self.prompt_linears
         if prompt_linears == "auto":
-            prompt_linears = "amx" if tiles and kernel == native.KERNEL_AVX512BF16 else "same"
-        elif prompt_linears == "amx" and not tiles:
-            raise ModelError("kernels.prompt_linears amx needs weights gguf on csrc's linears and a CPU with "
-                             "AMX-BF16 tiles that the OS lets this process use")
+            prompt_linears = next(rule for rule in ("amx", "lanes", "same") if runs[rule])
+        elif not runs[prompt_linears]:
+            need = ("AMX-BF16 tiles that the OS lets this process use" if prompt_linears == "amx"
+                    else "AVX512-BF16")
+            raise ModelError(f"kernels.prompt_linears {prompt_linears} needs weights gguf on csrc's linears, the "
+                             f"AVX512-BF16 kernel and a CPU with {need}")
         uses_csrc = linears == "csrc" or att == "csrc"
         return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0,
                        prefill=prefill, prompt_linears=prompt_linears)

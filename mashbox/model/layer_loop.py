@@ -72,7 +72,7 @@ class Step:
     cache: KVCache
     rope: RopeTable
     # [t0, t1) runs of prompt rows (not decode rows) where the linears have a prompt rule
-    # of their own (Kernels.prompt_linears "amx"); else () and every row takes one rule
+    # of their own (Kernels.prompt_linears "amx" or "lanes"); else () and every row takes one rule
     prompt: PromptRuns = ()
 
 

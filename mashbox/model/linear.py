@@ -5,7 +5,7 @@
     w.add_into(x, y, prompt=())     y [M, out] += x @ w.T (+ bias) in place: the residual add
 
 prompt: the runs [t0, t1) of x's rows that are prompt rows (PromptRuns). A form with a
-rule of its own for them (QuantLinear on AMX tiles) runs them by it and the other rows
+rule of its own for them (QuantLinear on AMX tiles or vdpbf16ps lanes) runs them by it and the other rows
 by its decode rule; every other form has one rule for all rows and ignores it. A row's
 bits then depend on its own kind only, never on its neighbours: a prompt token gets the
 same bits however its prompt is chunked, a decode row the same in any batch.
@@ -19,10 +19,12 @@ same bits however its prompt is chunked, a decode row the same in any batch.
   the cores. add_into adds in place, rounded once.
 - QuantLinear: a GGUF weight kept in its file's quantized blocks (model/block_weight.py),
   on csrc's mb_q_linear (csrc/quant.c): the same calls, the same batch invariance, a
-  fraction of the bytes per step; activations stay exact bfloat16. With tiles (chosen
-  once: model/kernels.py's prompt_linears), its prompt rows run on AMX tiles
-  (csrc/amx.c's mb_q_linear_tiles: the tile rule, other bits, several times the speed
-  at prefill); decode rows stay on mb_q_linear.
+  fraction of the bytes per step; activations stay exact bfloat16. With a prompt rule
+  (chosen once: model/kernels.py's prompt_linears), its prompt rows run on AMX tiles
+  (csrc/amx.c's mb_q_linear_tiles: the tile rule, several times the speed at prefill)
+  or, where tiles are missing, on vdpbf16ps lanes (csrc/lanes.c's mb_q_linear_lanes:
+  the lanes rule, each output's blocks widened once per 512 rows instead of per few);
+  either gives other bits than mb_q_linear's. Decode rows stay on mb_q_linear.
 - QkvSplit: q|k|v of a GGUF whose v is in another block type than q and k (Q4_K_M: q, k
   Q4_K, v Q6_K): two QuantLinears writing their columns of one y, instead of one weight
   dequantized to bfloat16 (3.4x the bytes of its blocks, read every step).
@@ -50,6 +52,9 @@ from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
 
 PromptRuns = tuple[tuple[int, int], ...]  # [t0, t1) runs of prompt rows, in order, disjoint
+# QuantLinear's prompt rules: name -> (runs here?, the prompt rows' kernel or None)
+PROMPT_RULES = {"same": (lambda: True, None), "amx": (native.amx_supported, csrc.q_linear_tiles),
+                "lanes": (native.lanes_supported, csrc.q_linear_lanes)}
 
 
 def bf16_kernel_available() -> bool:
@@ -128,15 +133,19 @@ class QuantLinear:
     """A [out, in] weight in GGUF blocks (copied once, into the arena when given) and its
     float32 bias, for mb_q_linear."""
 
-    __slots__ = ("n", "k", "qtype", "blocks", "bias", "kernel", "tiles")
+    __slots__ = ("n", "k", "qtype", "blocks", "bias", "kernel", "prompt_kernel")
 
     def __init__(self, w: BlockWeight, bias: Optional[torch.Tensor] = None, kernel: Optional[int] = None,
-                 into: Optional[torch.Tensor] = None, tiles: bool = False) -> None:
+                 into: Optional[torch.Tensor] = None, prompt_rule: str = "same") -> None:
         """into: where the blocks go (w.nbytes bytes of a WeightArena), else a copy of its own;
-        tiles: prompt rows on AMX tiles (csrc/amx.c; needs native.amx_supported())."""
-        if tiles and not native.amx_supported():
-            raise ValueError("QuantLinear: tiles need AMX-BF16 tiles (native.amx_supported())")
-        self.tiles = tiles
+        prompt_rule: the prompt rows' rule, one of PROMPT_RULES ("amx": AMX tiles, needs
+        native.amx_supported(); "lanes": vdpbf16ps lanes, needs native.lanes_supported();
+        "same": mb_q_linear's, as the decode rows')."""
+        if prompt_rule not in PROMPT_RULES:
+            raise ValueError(f"QuantLinear: prompt_rule must be one of {', '.join(PROMPT_RULES)}, not {prompt_rule!r}")
+        if not PROMPT_RULES[prompt_rule][0]():
+            raise ValueError(f"QuantLinear: prompt_rule {prompt_rule} does not run on this CPU")
+        self.prompt_kernel = PROMPT_RULES[prompt_rule][1]  # None: one rule for every row
         csrc.parallel()
         self.n, self.k = w.shape
         self.qtype = w.qtype
@@ -167,18 +176,18 @@ class QuantLinear:
         self._run(x, y, native.Y_ADD_BF16, prompt)
 
     def _run(self, x: torch.Tensor, y: torch.Tensor, mode: int, prompt: PromptRuns = ()) -> None:
-        """y's rows by their kind: the prompt runs on the tiles (where self.tiles), the rows
-        between them on mb_q_linear; y [M, out] may be a column slice (QkvSplit's)."""
+        """y's rows by their kind: the prompt runs by the prompt rule (where it has one), the
+        rows between them on mb_q_linear; y [M, out] may be a column slice (QkvSplit's)."""
         if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
             x = x.to(torch.bfloat16).contiguous()
-        runs, at, m = prompt if self.tiles else (), 0, x.shape[0]
+        runs, at, m = prompt if self.prompt_kernel is not None else (), 0, x.shape[0]
         for i, (t0, t1) in enumerate((*runs, (m, m))):  # (m, m): the rows after the last run
             if i < len(runs) and not at <= t0 < t1 <= m:
                 raise ValueError(f"prompt runs must be ordered, disjoint and within {m} rows, got {prompt}")
             if t0 > at:
                 csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:t0], self.bias, y[at:t0], mode, self.kernel)
             if t1 > t0:
-                csrc.q_linear_tiles(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
+                self.prompt_kernel(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
             at = t1
 
 
@@ -191,16 +200,16 @@ class QkvSplit:
 
     def __init__(self, qk: BlockWeight, v: BlockWeight, bias: Optional[torch.Tensor] = None,
                  kernel: Optional[int] = None, into: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 tiles: bool = False) -> None:
+                 prompt_rule: str = "same") -> None:
         """into: where each part's blocks go (qk.nbytes, v.nbytes bytes of a WeightArena);
-        tiles: as QuantLinear's."""
+        prompt_rule: as QuantLinear's."""
         if qk.shape[1] != v.shape[1]:
             raise ValueError(f"QkvSplit: q|k takes {qk.shape[1]} inputs, v {v.shape[1]}")
         nqk = qk.shape[0]
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [out]
         parts = (None, None) if into is None else into
-        self.qk = QuantLinear(qk, None if self.bias is None else self.bias[:nqk], kernel, parts[0], tiles)
-        self.v = QuantLinear(v, None if self.bias is None else self.bias[nqk:], kernel, parts[1], tiles)
+        self.qk = QuantLinear(qk, None if self.bias is None else self.bias[:nqk], kernel, parts[0], prompt_rule)
+        self.v = QuantLinear(v, None if self.bias is None else self.bias[nqk:], kernel, parts[1], prompt_rule)
         self.n, self.k = nqk + v.shape[0], qk.shape[1]
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, prompt: PromptRuns = ()) -> torch.Tensor:

@@ -141,53 +141,61 @@ def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel, v_apart
     assert torch.equal(outs[0], outs[1])
 
 
-amx = pytest.mark.skipif(not (native.amx_supported() and linear.bf16_kernel_available()),
-                         reason="no AMX-BF16 tiles on this CPU (or OS)")
+PROMPT_RULES = {  # rule -> (runs here, its kernel on arrays)
+    "amx": (native.amx_supported() and linear.bf16_kernel_available(), native.q_linear_tiles),
+    "lanes": (native.lanes_supported() and linear.bf16_kernel_available(), native.q_linear_lanes),
+}
 
 
-@amx
+@pytest.mark.parametrize("rule", [pytest.param(r, marks=pytest.mark.skipif(not PROMPT_RULES[r][0],
+                                                                          reason=f"prompt rule {r} cannot run here"))
+                                  for r in PROMPT_RULES])
 @pytest.mark.parametrize("v_apart", [False, True], ids=["one-type", "v-apart"])
-def test_prompt_rows_on_tiles_keep_every_schedule_invariant(tmp_path, v_apart):
-    """Kernels.prompt_linears "amx" (the default where the tiles run): prompt rows take the
-    tile rule (csrc/amx.c), decode rows the vdpbf16ps one, so a prompt token's bits do not
-    depend on its chunking nor a decode row's on its company (every schedule of
-    decoder_invariance, QkvSplit's two parts included), and the logits stay near those
-    of the decoder that runs every row on the vdpbf16ps kernel."""
+def test_prompt_rows_on_their_rule_keep_every_schedule_invariant(tmp_path, v_apart, rule):
+    """Kernels.prompt_linears "amx" / "lanes": prompt rows take the tile rule (csrc/amx.c)
+    or the lanes rule (csrc/lanes.c), decode rows the vdpbf16ps one, so a prompt token's
+    bits do not depend on its chunking nor a decode row's on its company (every schedule
+    of decoder_invariance, QkvSplit's two parts included), and the logits stay near those
+    of the decoder that runs every row on the vdpbf16ps kernel. "auto" takes amx where it
+    runs, else lanes."""
     made = {}
-    for rule in ("auto", "same"):
+    for name in (rule, "same", "auto"):
         w = _with_v_in(tmp_path, Q.Q4_1) if v_apart else loader.load(_gguf(tmp_path, "llama", Q.Q8_0),
                                                                       torch.bfloat16, CPU, blocks=True)
-        made[rule] = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
-                             kernels=Kernels(prompt_linears=rule))
-    tiles, same = made["auto"], made["same"]
-    assert tiles.kernels.prompt_linears == "amx" and same.kernels.prompt_linears == "same"
-    qkv = tiles.layers[0].qkv
-    assert all(p.tiles for p in ((qkv.qk, qkv.v) if v_apart else (qkv,)))
-    vocab = tiles.config.vocab_size
+        made[name] = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf",
+                             kernels=Kernels(prompt_linears=name))
+    assert made["auto"].kernels.prompt_linears == ("amx" if PROMPT_RULES["amx"][0] else "lanes")
+    ruled, same = made[rule], made["same"]
+    assert ruled.kernels.prompt_linears == rule and same.kernels.prompt_linears == "same"
+    qkv = ruled.layers[0].qkv
+    assert all(p.prompt_kernel is not None for p in ((qkv.qk, qkv.v) if v_apart else (qkv,)))
+    vocab = ruled.config.vocab_size
     prompt = torch.randint(0, vocab, (37,), generator=torch.Generator().manual_seed(11)).tolist()
-    _check_schedules(tiles, prompt, 64, vocab)
-    got, want = _last_logits(tiles, prompt), _last_logits(same, prompt)
+    _check_schedules(ruled, prompt, 64, vocab)
+    got, want = _last_logits(ruled, prompt), _last_logits(same, prompt)
     assert (got - want).abs().max() < 0.02 * want.abs().max() + 0.02
-    # each row by its kind's rule: the prompt runs' rows on the tiles, the others not
-    x = torch.randn(9, tiles.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
-    up = tiles.layers[0].gate_up
+    # each row by its kind's rule: the prompt runs' rows by the prompt rule, the others not
+    x = torch.randn(9, ruled.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    up = ruled.layers[0].gate_up
     bits, blocks = x.view(torch.int16).numpy().view("uint16"), up.blocks.numpy()
-    rule = {True: native.q_linear_tiles(up.qtype, blocks, bits, y_f32=True),
-            False: native.q_linear(up.qtype, blocks, bits, y_f32=True)}
-    assert not torch.equal(torch.from_numpy(rule[True]), torch.from_numpy(rule[False])), "two rules"
+    by = {True: PROMPT_RULES[rule][1](up.qtype, blocks, bits, y_f32=True),
+          False: native.q_linear(up.qtype, blocks, bits, y_f32=True)}
+    assert not torch.equal(torch.from_numpy(by[True]), torch.from_numpy(by[False])), "two rules"
     for runs in (((2, 7),), ((0, 2), (4, 9)), ((3, 4), (5, 6)), ((0, 9),)):
         y = up(x, torch.float32, prompt=runs)
         for r in range(9):
-            assert torch.equal(y[r], torch.from_numpy(rule[any(t0 <= r < t1 for t0, t1 in runs)][r])), (runs, r)
+            assert torch.equal(y[r], torch.from_numpy(by[any(t0 <= r < t1 for t0, t1 in runs)][r])), (runs, r)
     for bad in (((3, 2),), ((0, 4), (2, 6)), ((5, 10),), ((4, 4),)):
         with pytest.raises(ValueError, match="prompt runs must be ordered"):
             up(x, torch.float32, prompt=bad)
 
 
-def test_prompt_rows_on_tiles_need_gguf_blocks_and_the_tiles(tmp_path):
-    """An explicit prompt_linears "amx" that cannot run is refused, not quietly dropped."""
+def test_prompt_rules_need_gguf_blocks_and_their_cpu(tmp_path):
+    """An explicit prompt_linears "amx" or "lanes" that cannot run is refused, not quietly
+    dropped."""
     w = loader.load(_gguf(tmp_path, "llama", Q.Q8_0), torch.bfloat16, CPU)
-    with pytest.raises(ModelError, match="prompt_linears amx"):
-        Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="dense", kernels=Kernels(prompt_linears="amx"))
+    for rule in PROMPT_RULES:
+        with pytest.raises(ModelError, match=f"prompt_linears {rule}"):
+            Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="dense", kernels=Kernels(prompt_linears=rule))
     with pytest.raises(ModelError, match="prompt_linears must be one of"):
         Kernels(prompt_linears="tiles")

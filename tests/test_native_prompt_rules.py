@@ -1,8 +1,9 @@
-"""Prompt rows of the GGUF linears on AMX tiles (csrc/amx.c): the kernel against
-native_ref.q_linear_tiles bit for bit on every block type (the reference built on
-gguf-py's dequantization), the reference against gguf's values, and batch invariance (a
-row's bits never depend on m, its neighbours or the threads). The kernel tests skip on a
-CPU without AMX-BF16 tiles, where the decoder never takes the tile rule."""
+"""Prompt rows of the GGUF linears by their own rules: the tile rule on AMX tiles
+(csrc/amx.c) and the lanes rule on vdpbf16ps lanes (csrc/lanes.c). Each kernel against
+its reference (native_ref.q_linear_tiles, q_linear_lanes) bit for bit on every block type
+(the references built on gguf-py's dequantization), the parts against gguf's values, and
+batch invariance (a row's bits never depend on m, its neighbours or the threads). A
+rule's kernel tests skip on a CPU that cannot run it, where the decoder never takes it."""
 from __future__ import annotations
 
 import gguf
@@ -18,7 +19,16 @@ TYPES = [native.Q8_0, native.Q4_0, native.Q4_1, native.Q5_0, native.Q5_1, native
 TYPE_IDS = [gguf.GGMLQuantizationType(t).name for t in TYPES]
 BLOCK = {t: 256 if t in native_ref.KQ_BLOCK_BYTES else 32 for t in TYPES}
 
-amx = pytest.mark.skipif(not native.amx_supported(), reason="no AMX-BF16 tiles on this CPU (or OS)")
+# rule -> (the kernel on arrays, its reference, the kernel on addresses), each where it runs
+RULES = {
+    "tiles": (native.q_linear_tiles, native_ref.q_linear_tiles, native.q_linear_tiles_ptr),
+    "lanes": (native.q_linear_lanes, native_ref.q_linear_lanes, native.q_linear_lanes_ptr),
+}
+RUNS = {"tiles": native.amx_supported(), "lanes": native.lanes_supported()}
+rules = pytest.mark.parametrize("rule", [
+    pytest.param("tiles", marks=pytest.mark.skipif(not RUNS["tiles"], reason="no AMX-BF16 tiles on this CPU (or OS)")),
+    pytest.param("lanes", marks=pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 on this CPU")),
+])
 
 
 def _rows(rng: np.random.Generator, qtype: int, n: int, blocks: int) -> np.ndarray:
@@ -63,51 +73,56 @@ def test_parts_are_ggufs_dequantization(qtype):
     assert np.array_equal(q, np.round(q)) and np.abs(q).max() <= 128  # exact in bfloat16
 
 
-@amx
+@rules
 @settings(max_examples=120, deadline=None)
-@given(_problem())
-def test_kernel_matches_the_reference(problem):
+@given(problem=_problem())
+def test_kernel_matches_the_reference(rule, problem):
+    kernel, ref, _ = RULES[rule]
     qtype, w, x, bias, y_f32, add_to = problem
-    want = native_ref.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
-    got = native.q_linear_tiles(qtype, w, x, bias, y_f32, add_to)
-    assert _same(got, want)
+    assert _same(kernel(qtype, w, x, bias, y_f32, add_to), ref(qtype, w, x, bias, y_f32, add_to))
 
 
-@amx
-def test_reference_order_is_the_hardwares():
+@rules
+def test_reference_order_is_the_hardwares(rule):
     """Sums that cancel (values of 2^-20 .. 2^20 in one sub-block) separate one order of
     the adds from another: the kernel and the reference agree on each, so the order the
-    reference states is the one TDPBF16PS runs."""
+    reference states is the one TDPBF16PS (or the vdpbf16ps chain) runs; the three rules
+    differ from one another."""
+    kernel, ref, _ = RULES[rule]
     rng = np.random.default_rng(7)
     x = native_ref.f32_to_bf16((rng.standard_normal((16, 64)) * 2.0 ** rng.integers(-20, 20, (16, 64)))
                                .astype(np.float32))
     w = _rows(rng, native.Q8_0, 16, 2)
-    want = native_ref.q_linear_tiles(native.Q8_0, w, x, y_f32=True)
-    assert _same(native.q_linear_tiles(native.Q8_0, w, x, y_f32=True), want)
-    other = native_ref.q_linear(native.Q8_0, w, x, y_f32=True)  # the vdpbf16ps rule: another order
-    assert not _same(other, want)
+    want = ref(native.Q8_0, w, x, y_f32=True)
+    assert _same(kernel(native.Q8_0, w, x, y_f32=True), want)
+    others = [native_ref.q_linear(native.Q8_0, w, x, y_f32=True)]  # the decode rows' vdpbf16ps rule
+    others += [r(native.Q8_0, w, x, y_f32=True) for name, (_, r, _) in RULES.items() if name != rule]
+    assert not any(_same(other, want) for other in others)
 
 
-@amx
+@rules
 @pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
-def test_rows_do_not_depend_on_their_batch(qtype):
+def test_rows_do_not_depend_on_their_batch(rule, qtype):
     """Each row alone, in any slice, and the whole batch on two threads: the same bits (the
-    row tiles of 16 and the work items of 512 rows are where a dependence would show, and
-    runs of up to 16 rows take the other path, the weights as A tiles and x as B)."""
+    row tiles of 16 or blocks of 8 and the work items of 512 rows are where a dependence
+    would show, and for the tiles runs of up to 16 rows take the other path, the weights
+    as A tiles and x as B)."""
+    kernel = RULES[rule][0]
     rng = np.random.default_rng(qtype + 100)
     k = 2 * BLOCK[qtype] if BLOCK[qtype] == 256 else 96
-    w, x = _rows(rng, qtype, 37, k // BLOCK[qtype]), _x(rng, 300, k)
+    w, x = _rows(rng, qtype, 37, k // BLOCK[qtype]), _x(rng, 600, k)
     from mashbox.model import csrc
 
-    whole = native.q_linear_tiles(qtype, w, x, y_f32=True, parallel=csrc.parallel(), threads=2)
-    for lo, hi in ((0, 1), (5, 6), (3, 11), (20, 36), (36, 53), (17, 33), (250, 300), (0, 300)):
-        assert _same(native.q_linear_tiles(qtype, w, x[lo:hi], y_f32=True), whole[lo:hi])
+    whole = kernel(qtype, w, x, y_f32=True, parallel=csrc.parallel(), threads=2)
+    for lo, hi in ((0, 1), (5, 6), (3, 11), (20, 36), (36, 53), (17, 33), (250, 300), (0, 300), (509, 600)):
+        assert _same(kernel(qtype, w, x[lo:hi], y_f32=True), whole[lo:hi])
 
 
-@amx
-def test_bad_shapes_are_refused_before_c():
+@rules
+def test_bad_shapes_are_refused_before_c(rule):
+    kernel, _, ptr = RULES[rule]
     w = _rows(np.random.default_rng(0), native.Q4_K, 4, 1)
     with pytest.raises(ValueError, match="w must be"):
-        native.q_linear_tiles(native.Q4_K, w, np.zeros((2, 128), np.uint16))
-    with pytest.raises(ValueError, match="q_linear_tiles"):  # C's own check: ldx < k
-        native.q_linear_tiles_ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, 0, 1)
+        kernel(native.Q4_K, w, np.zeros((2, 128), np.uint16))
+    with pytest.raises(ValueError, match=f"q_linear_{rule}"):  # C's own check: ldx < k
+        ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, 0, 1)

@@ -1,0 +1,252 @@
+/* Prompt rows of the GGUF linears on vdpbf16ps lanes: y[r, c] = x[r, :k] . dequant(w row
+ * c) (+ bias[c]), for the rows of a prefill chunk, on every block type csrc/quant.c and
+ * csrc/kquant.c read, on a CPU with AVX512-BF16 but no AMX tiles (csrc/amx.c's place).
+ *
+ * Why it exists: at prefill the decode rows' kernels (quant.c, kquant.c) widen every
+ * block to bfloat16 for each few rows and spend most of their time widening; the products
+ * are cheap. Here each output's blocks are widened once per MB_LANES_ROWS rows and the
+ * outputs lie in the vector lanes, so one vdpbf16ps (with x's pair broadcast from
+ * memory) does 16 outputs' multiply-adds of one pair and the widened weights are reused
+ * by 8 rows per load.
+ *
+ * The rule, per output (row r of x, output c), "the lanes rule" (mashbox/native_ref.py's
+ * q_linear_lanes states it in numpy). The weight row is cut into sub-blocks s of L
+ * elements (L = 32; Q6_K: 16), each w = scale_s * q + min_s with q a small integer, exact
+ * in bfloat16, as the tile rule's (csrc/widen.h's widening makes both):
+ * acc = 0; for each sub-block in order:
+ *     P = dp(x_s, q_s);  acc = fma(P, scale_s, acc)
+ *     with a min: S = dp(x_s, 1);  acc = fma(S, min_s, acc)
+ * then acc + bias, y as mb_bf16_linear writes it. dp(a, b) is one vdpbf16ps chain from
+ * +0: for the pairs p in order, P = (P + a[2p + 1] b[2p + 1]) + a[2p] b[2p] (exact
+ * products, each add rounded to nearest even, bfloat16 denormals read as zero and float32
+ * denormal sums flushed to zero: the instruction's own order, which the decode kernels'
+ * parity tests pin on this hardware). A row's bits depend on its own x row, weight row,
+ * bias and y: never on m, the other rows or the threads. The bits differ from the decode
+ * kernels' (another order of the same exact products), which is why the decoder sends a
+ * row kind to one rule only (mashbox/model/linear.py).
+ *
+ * How: x is first packed in pair-major blocks of 8 rows (dword [block][pair][8 rows]: a
+ * pair step's 8 broadcasts share one 32-byte run; rows straight from x lie k * 2 bytes
+ * apart, one L1 set when k is a multiple of 2048), padding rows zero; the S sums of x
+ * (formats with a min) are made once per call from it, by the same instruction on 8
+ * rows' lanes. A work item is 32 outputs x up to MB_LANES_ROWS rows. Per chunk of
+ * MB_WIDE_CHUNK elements its 32 outputs are widened and transposed to [pair][16
+ * outputs] (two 8 KB tiles, in L1), the next chunk's blocks prefetched; then per block of
+ * 8 rows and sub-block, 16 accumulators (8 rows x 2 vectors of 16 outputs) run the
+ * sub-block's pairs and are folded into float32 accumulators parked [rows][32] with the
+ * outputs' scale and min vectors. Threads: the caller's OpenMP pool, guided handout.
+ */
+#include "mashbox.h"
+#include "bf16.h"
+#include "ggml_blocks.h"
+#include "widen.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MB_LANES_R 8       /* rows per register block: 8 rows x 2 output vectors = 16 zmm accumulators */
+#define MB_LANES_ROWS 512  /* rows per work item (64 KB of parked accumulators): each output's blocks
+                            * widened once for a 512-token prefill chunk */
+
+#if MB_WIDE
+
+int mb_lanes_supported(void) { return mb_bf16_kernel() == MB_KERNEL_AVX512BF16; }
+
+struct mb_lanes_job {
+    struct mb_q_call a;
+    struct mb_wide_format fmt;
+    const uint32_t *xp; /* x packed: dword [m / 8 blocks][k / 2 pairs][8 rows] */
+    const float *sx;    /* formats with a min: [m / 8 blocks][k / 32][8 rows] S sums, else NULL */
+    int32_t groups, chunks;
+    int64_t items, next, threads;
+};
+
+/* One sub-block of 8 rows x 32 outputs: xb the rows' pairs [half][8], B0 / B1 the two
+ * output vectors' weight pairs [half][16]; park [8 rows][32] += the products times scale,
+ * then the min term (sx: the 8 rows' S sums) */
+MB_WIDE_INLINE void mb_lanes_block(const uint32_t *xb, const uint32_t *B0, const uint32_t *B1, const int half,
+                                   float *park, const float *scale, const float *mins, const float *sx,
+                                   const int has_min) {
+    __m512 p0[MB_LANES_R], p1[MB_LANES_R];
+#pragma GCC unroll 8
+    for (int r = 0; r < MB_LANES_R; r++)
+        p0[r] = _mm512_setzero_ps(), p1[r] = _mm512_setzero_ps();
+    for (int q = 0; q < half; q++) {
+        const __m512bh b0 = (__m512bh)_mm512_load_si512(B0 + 16 * q), b1 = (__m512bh)_mm512_load_si512(B1 + 16 * q);
+#pragma GCC unroll 8
+        for (int r = 0; r < MB_LANES_R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xb[MB_LANES_R * q + r]);
+            p0[r] = _mm512_dpbf16_ps(p0[r], xv, b0);
+            p1[r] = _mm512_dpbf16_ps(p1[r], xv, b1);
+        }
+    }
+    const __m512 s0 = _mm512_load_ps(scale), s1 = _mm512_load_ps(scale + 16);
+    const __m512 m0 = has_min ? _mm512_load_ps(mins) : _mm512_setzero_ps();
+    const __m512 m1 = has_min ? _mm512_load_ps(mins + 16) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < MB_LANES_R; r++) {
+        float *pk = park + MB_WIDE_OUTS * r;
+        __m512 a0 = _mm512_fmadd_ps(p0[r], s0, _mm512_load_ps(pk));
+        __m512 a1 = _mm512_fmadd_ps(p1[r], s1, _mm512_load_ps(pk + 16));
+        if (has_min) {
+            const __m512 sv = _mm512_set1_ps(sx[r]);
+            a0 = _mm512_fmadd_ps(sv, m0, a0);
+            a1 = _mm512_fmadd_ps(sv, m1, a1);
+        }
+        _mm512_store_ps(pk, a0);
+        _mm512_store_ps(pk + 16, a1);
+    }
+}
+
+/* rows [r0, r0 + rows) (r0 a multiple of 8) x outputs [c0, c0 + outs) */
+MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
+                                  const int32_t type) {
+    /* from the type (a constant in each instance): the min terms and L fixed at compile time */
+    const int has_min = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1 || type == MB_GGML_Q4_K || type == MB_GGML_Q5_K;
+    const int L = type == MB_GGML_Q6_K ? 16 : 32, half = L / 2;
+    const int32_t k = j->a.k, pairs = k / 2, subs_row = k / L;
+    uint16_t wide[MB_WIDE_OUTS * MB_WIDE_CHUNK] __attribute__((aligned(64)));
+    uint32_t B[2][MB_WIDE_CHUNK / 2 * 16] __attribute__((aligned(64)));
+    float scale[16 * MB_WIDE_OUTS] __attribute__((aligned(64))), mins[16 * MB_WIDE_OUTS] __attribute__((aligned(64)));
+    float park[MB_LANES_ROWS * MB_WIDE_OUTS] __attribute__((aligned(64)));
+    const uint8_t *wr[MB_WIDE_OUTS];
+    const int32_t b0 = r0 / MB_LANES_R, blocks = (rows + MB_LANES_R - 1) / MB_LANES_R;
+    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
+        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
+    memset(park, 0, sizeof(float) * (size_t)blocks * MB_LANES_R * MB_WIDE_OUTS);
+    for (int32_t e0 = 0; e0 < k; e0 += MB_WIDE_CHUNK) {
+        const int32_t elems = k - e0 < MB_WIDE_CHUNK ? k - e0 : MB_WIDE_CHUNK, subs = elems / L;
+        for (int o = 0; o < MB_WIDE_OUTS; o++)
+            mb_widen(type, wr[o], e0, elems, wide + MB_WIDE_CHUNK * o, scale + o, mins + o);
+        mb_wide_transpose(wide, elems / 2, B[0]);
+        mb_wide_transpose(wide + 16 * MB_WIDE_CHUNK, elems / 2, B[1]);
+        mb_wide_prefetch(&j->a, &j->fmt, wr, e0);
+        for (int32_t b = 0; b < blocks; b++) {
+            const uint32_t *xb = j->xp + ((size_t)(b0 + b) * pairs + (size_t)(e0 / 2)) * MB_LANES_R;
+            const float *sx = has_min ? j->sx + ((size_t)(b0 + b) * subs_row + (size_t)(e0 / L)) * MB_LANES_R : NULL;
+            float *pk = park + (size_t)b * MB_LANES_R * MB_WIDE_OUTS;
+            for (int32_t s = 0; s < subs; s++)
+                mb_lanes_block(xb + (size_t)s * half * MB_LANES_R, B[0] + 16 * half * s, B[1] + 16 * half * s, half,
+                               pk, scale + MB_WIDE_OUTS * s, mins + MB_WIDE_OUTS * s,
+                               has_min ? sx + (size_t)s * MB_LANES_R : NULL, has_min);
+        }
+    }
+    for (int32_t r = 0; r < rows; r++)
+        mb_wide_store(&j->a, r0 + r, c0, outs, park + (size_t)r * MB_WIDE_OUTS);
+}
+
+#define MB_LANES_RUN(NAME, T)                                                                                  \
+    static MB_WIDE_TARGET void NAME(const struct mb_lanes_job *j, int32_t r0, int32_t rows, int32_t c0,        \
+                                    int32_t outs) {                                                            \
+        mb_lanes_item(j, r0, rows, c0, outs, T);                                                               \
+    }
+
+MB_LANES_RUN(mb_lanes_run_q8_0, MB_GGML_Q8_0)
+MB_LANES_RUN(mb_lanes_run_q4_0, MB_GGML_Q4_0)
+MB_LANES_RUN(mb_lanes_run_q4_1, MB_GGML_Q4_1)
+MB_LANES_RUN(mb_lanes_run_q5_0, MB_GGML_Q5_0)
+MB_LANES_RUN(mb_lanes_run_q5_1, MB_GGML_Q5_1)
+MB_LANES_RUN(mb_lanes_run_q4_k, MB_GGML_Q4_K)
+MB_LANES_RUN(mb_lanes_run_q5_k, MB_GGML_Q5_K)
+MB_LANES_RUN(mb_lanes_run_q6_k, MB_GGML_Q6_K)
+
+static void mb_lanes_worker(void *data) {
+    struct mb_lanes_job *j = (struct mb_lanes_job *)data;
+    void (*run)(const struct mb_lanes_job *, int32_t, int32_t, int32_t, int32_t) =
+        j->a.type == MB_GGML_Q8_0 ? mb_lanes_run_q8_0 : j->a.type == MB_GGML_Q4_0 ? mb_lanes_run_q4_0
+        : j->a.type == MB_GGML_Q4_1 ? mb_lanes_run_q4_1 : j->a.type == MB_GGML_Q5_0 ? mb_lanes_run_q5_0
+        : j->a.type == MB_GGML_Q5_1 ? mb_lanes_run_q5_1 : j->a.type == MB_GGML_Q4_K ? mb_lanes_run_q4_k
+        : j->a.type == MB_GGML_Q5_K ? mb_lanes_run_q5_k : mb_lanes_run_q6_k;
+    for (;;) {
+        int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
+        if (take == 0)
+            break;
+        for (int64_t i = first; i < first + take; i++) {
+            int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
+            int32_t r0 = ch * MB_LANES_ROWS, c0 = g * MB_WIDE_OUTS;
+            run(j, r0, j->a.m - r0 < MB_LANES_ROWS ? j->a.m - r0 : MB_LANES_ROWS, c0,
+                j->a.n - c0 < MB_WIDE_OUTS ? j->a.n - c0 : MB_WIDE_OUTS);
+        }
+    }
+}
+
+/* x [m, k] (rows ldx apart) -> xp dword [blocks][k / 2][8]: pair p of block b's row i at
+ * (b * k / 2 + p) * 8 + i, rows past m zero */
+static void mb_lanes_pack(const uint16_t *x, int64_t ldx, int32_t m, int32_t k, int32_t blocks, uint32_t *xp) {
+    const int32_t pairs = k / 2;
+    for (int32_t b = 0; b < blocks; b++)
+        for (int32_t i = 0; i < MB_LANES_R; i++) {
+            const int32_t row = MB_LANES_R * b + i;
+            uint32_t *dst = xp + (size_t)b * pairs * MB_LANES_R + i;
+            if (row >= m) {
+                for (int32_t p = 0; p < pairs; p++)
+                    dst[(size_t)p * MB_LANES_R] = 0;
+                continue;
+            }
+            const uint16_t *xr = x + (size_t)row * ldx;
+            for (int32_t p = 0; p < pairs; p++)
+                dst[(size_t)p * MB_LANES_R] = (uint32_t)xr[2 * p] | (uint32_t)xr[2 * p + 1] << 16;
+        }
+}
+
+/* sx [blocks][k / 32][8] = dp(x row's sub-block, ones) for the L = 32 sub-blocks, 8 rows
+ * in the lanes of one chain: the same instruction and order as the products' */
+static MB_WIDE_TARGET void mb_lanes_xsums(const uint32_t *xp, int32_t k, int32_t blocks, float *sx) {
+    const int32_t pairs = k / 2, subs = k / 32;
+    const __m256bh ones = (__m256bh)_mm256_set1_epi32(0x3f803f80); /* (1.0, 1.0) in bfloat16 */
+    for (int32_t b = 0; b < blocks; b++)
+        for (int32_t s = 0; s < subs; s++) {
+            const uint32_t *xb = xp + ((size_t)b * pairs + (size_t)s * 16) * MB_LANES_R;
+            __m256 acc = _mm256_setzero_ps();
+            for (int q = 0; q < 16; q++)
+                acc = _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256((const __m256i *)(xb + MB_LANES_R * q)), ones);
+            _mm256_storeu_ps(sx + ((size_t)b * subs + s) * MB_LANES_R, acc);
+        }
+}
+
+int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
+    struct mb_lanes_job j;
+    memset(&j, 0, sizeof j);
+    j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
+    if (!mb_wide_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
+        row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || !mb_lanes_supported())
+        return MB_EINVAL;
+    const int32_t blocks = (m + MB_LANES_R - 1) / MB_LANES_R;
+    uint32_t *xp = NULL;
+    float *sx = NULL;
+    if (posix_memalign((void **)&xp, 64, sizeof(uint32_t) * (size_t)blocks * MB_LANES_R * (size_t)(k / 2)))
+        return MB_ESCRATCH;
+    mb_lanes_pack(x, ldx, m, k, blocks, xp);
+    j.xp = xp;
+    if (j.fmt.has_min) {
+        if (posix_memalign((void **)&sx, 64, sizeof(float) * (size_t)blocks * MB_LANES_R * (size_t)(k / 32))) {
+            free(xp);
+            return MB_ESCRATCH;
+        }
+        mb_lanes_xsums(xp, k, blocks, sx);
+        j.sx = sx;
+    }
+    j.groups = (n + MB_WIDE_OUTS - 1) / MB_WIDE_OUTS;
+    j.chunks = (m + MB_LANES_ROWS - 1) / MB_LANES_ROWS;
+    j.items = (int64_t)j.groups * j.chunks;
+    mb_run_guided(mb_lanes_worker, &j, &j.threads, j.items, parallel, threads);
+    free(sx);
+    free(xp);
+    return MB_OK;
+}
+
+#else /* no AVX512-BF16 build */
+
+int mb_lanes_supported(void) { return 0; }
+
+int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
+    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;
+    (void)y, (void)y_mode, (void)ldy, (void)parallel, (void)threads;
+    return MB_EINVAL;
+}
+
+#endif
