@@ -198,8 +198,7 @@ MB_AMX_INLINE void mb_amx_item(const struct mb_amx_job *j, int32_t r0, int32_t r
     float cbuf[4 * 256] __attribute__((aligned(64)));
     float park[MB_AMX_ROWS * MB_WIDE_OUTS] __attribute__((aligned(64)));
     const uint8_t *wr[MB_WIDE_OUTS];
-    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
-        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
+    mb_wide_rows(&j->a, c0, outs, wr);
     memset(park, 0, sizeof(float) * (size_t)((rows + 31) / 32 * 32) * MB_WIDE_OUTS);
     for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_WIDE_CHUNK) {
         const int32_t elems = j->a.k - e0 < MB_WIDE_CHUNK ? j->a.k - e0 : MB_WIDE_CHUNK, subs = elems / L;
@@ -290,8 +289,7 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
     float acc[MB_WIDE_OUTS * MB_AMX_FEW] __attribute__((aligned(64))); /* [32 outputs][m] */
     float row[MB_WIDE_OUTS] __attribute__((aligned(64)));
     const uint8_t *wr[MB_WIDE_OUTS];
-    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
-        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
+    mb_wide_rows(&j->a, c0, outs, wr);
     memset(acc, 0, sizeof(float) * MB_WIDE_OUTS * (size_t)m);
     for (int32_t e0 = 0; e0 < j->a.k; e0 += MB_WIDE_CHUNK) {
         const int32_t elems = j->a.k - e0 < MB_WIDE_CHUNK ? j->a.k - e0 : MB_WIDE_CHUNK, subs = elems / L, s0 = e0 / L;
@@ -334,31 +332,19 @@ MB_AMX_INLINE void mb_amx_item_few(const struct mb_amx_job *j, int32_t c0, int32
     }
 }
 
-#define MB_AMX_RUN(NAME, T)                                                                              \
-    static MB_AMX_TARGET void NAME(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0,     \
-                                   int32_t outs) {                                                       \
-        if (j->xb)                                                                                       \
-            mb_amx_item_few(j, c0, outs, T);                                                             \
-        else                                                                                             \
-            mb_amx_item(j, r0, rows, c0, outs, T);                                                       \
-    }
+MB_AMX_INLINE void mb_amx_item_any(const struct mb_amx_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
+                                  const int32_t type) {
+    if (j->xb)
+        mb_amx_item_few(j, c0, outs, type);
+    else
+        mb_amx_item(j, r0, rows, c0, outs, type);
+}
 
-MB_AMX_RUN(mb_amx_run_q8_0, MB_GGML_Q8_0)
-MB_AMX_RUN(mb_amx_run_q4_0, MB_GGML_Q4_0)
-MB_AMX_RUN(mb_amx_run_q4_1, MB_GGML_Q4_1)
-MB_AMX_RUN(mb_amx_run_q5_0, MB_GGML_Q5_0)
-MB_AMX_RUN(mb_amx_run_q5_1, MB_GGML_Q5_1)
-MB_AMX_RUN(mb_amx_run_q4_k, MB_GGML_Q4_K)
-MB_AMX_RUN(mb_amx_run_q5_k, MB_GGML_Q5_K)
-MB_AMX_RUN(mb_amx_run_q6_k, MB_GGML_Q6_K)
+MB_WIDE_INSTANCES(mb_amx_run, struct mb_amx_job, mb_amx_item_any, MB_AMX_TARGET)
 
 static MB_AMX_TARGET void mb_amx_worker(void *data) {
     struct mb_amx_job *j = (struct mb_amx_job *)data;
-    void (*run)(const struct mb_amx_job *, int32_t, int32_t, int32_t, int32_t) =
-        j->a.type == MB_GGML_Q8_0 ? mb_amx_run_q8_0 : j->a.type == MB_GGML_Q4_0 ? mb_amx_run_q4_0
-        : j->a.type == MB_GGML_Q4_1 ? mb_amx_run_q4_1 : j->a.type == MB_GGML_Q5_0 ? mb_amx_run_q5_0
-        : j->a.type == MB_GGML_Q5_1 ? mb_amx_run_q5_1 : j->a.type == MB_GGML_Q4_K ? mb_amx_run_q4_k
-        : j->a.type == MB_GGML_Q5_K ? mb_amx_run_q5_k : mb_amx_run_q6_k;
+    const mb_amx_run_fn run = mb_amx_run_pick(j->a.type);
     int configured = 0;
     for (;;) {
         int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
@@ -372,10 +358,9 @@ static MB_AMX_TARGET void mb_amx_worker(void *data) {
             configured = 1;
         }
         for (int64_t i = first; i < first + take; i++) {
-            int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
-            int32_t r0 = ch * MB_AMX_ROWS, c0 = g * MB_WIDE_OUTS;
-            run(j, r0, j->a.m - r0 < MB_AMX_ROWS ? j->a.m - r0 : MB_AMX_ROWS, c0,
-                j->a.n - c0 < MB_WIDE_OUTS ? j->a.n - c0 : MB_WIDE_OUTS);
+            int32_t r0, rows, c0, outs;
+            mb_wide_item_at(&j->a, i, j->chunks, MB_AMX_ROWS, &r0, &rows, &c0, &outs);
+            run(j, r0, rows, c0, outs);
         }
     }
     if (configured)
@@ -433,8 +418,7 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     struct mb_amx_job j;
     memset(&j, 0, sizeof j);
     j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
-    if (!mb_wide_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
-        row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || !mb_amx_supported())
+    if (!mb_wide_call_ok(&j.a, &j.fmt) || !mb_amx_supported())
         return MB_EINVAL;
     j.groups = (n + MB_WIDE_OUTS - 1) / MB_WIDE_OUTS;
     if (m <= MB_AMX_FEW) {
@@ -486,12 +470,6 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
 
 int mb_amx_supported(void) { return 0; }
 
-int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
-                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
-                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
-    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;
-    (void)y, (void)y_mode, (void)ldy, (void)parallel, (void)threads;
-    return MB_EINVAL;
-}
+MB_WIDE_REFUSED(mb_q_linear_tiles)
 
 #endif

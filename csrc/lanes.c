@@ -111,8 +111,7 @@ MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int3
     float park[MB_LANES_ROWS * MB_WIDE_OUTS] __attribute__((aligned(64)));
     const uint8_t *wr[MB_WIDE_OUTS];
     const int32_t b0 = r0 / MB_LANES_R, blocks = (rows + MB_LANES_R - 1) / MB_LANES_R;
-    for (int o = 0; o < MB_WIDE_OUTS; o++) /* past the item's outputs, its last row again (never stored) */
-        wr[o] = j->a.w + (size_t)(c0 + (o < outs ? o : outs - 1)) * j->a.row_bytes;
+    mb_wide_rows(&j->a, c0, outs, wr);
     memset(park, 0, sizeof(float) * (size_t)blocks * MB_LANES_R * MB_WIDE_OUTS);
     for (int32_t e0 = 0; e0 < k; e0 += MB_WIDE_CHUNK) {
         const int32_t elems = k - e0 < MB_WIDE_CHUNK ? k - e0 : MB_WIDE_CHUNK, subs = elems / L;
@@ -135,37 +134,19 @@ MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int3
         mb_wide_store(&j->a, r0 + r, c0, outs, park + (size_t)r * MB_WIDE_OUTS);
 }
 
-#define MB_LANES_RUN(NAME, T)                                                                                  \
-    static MB_WIDE_TARGET void NAME(const struct mb_lanes_job *j, int32_t r0, int32_t rows, int32_t c0,        \
-                                    int32_t outs) {                                                            \
-        mb_lanes_item(j, r0, rows, c0, outs, T);                                                               \
-    }
-
-MB_LANES_RUN(mb_lanes_run_q8_0, MB_GGML_Q8_0)
-MB_LANES_RUN(mb_lanes_run_q4_0, MB_GGML_Q4_0)
-MB_LANES_RUN(mb_lanes_run_q4_1, MB_GGML_Q4_1)
-MB_LANES_RUN(mb_lanes_run_q5_0, MB_GGML_Q5_0)
-MB_LANES_RUN(mb_lanes_run_q5_1, MB_GGML_Q5_1)
-MB_LANES_RUN(mb_lanes_run_q4_k, MB_GGML_Q4_K)
-MB_LANES_RUN(mb_lanes_run_q5_k, MB_GGML_Q5_K)
-MB_LANES_RUN(mb_lanes_run_q6_k, MB_GGML_Q6_K)
+MB_WIDE_INSTANCES(mb_lanes_run, struct mb_lanes_job, mb_lanes_item, MB_WIDE_TARGET)
 
 static void mb_lanes_worker(void *data) {
     struct mb_lanes_job *j = (struct mb_lanes_job *)data;
-    void (*run)(const struct mb_lanes_job *, int32_t, int32_t, int32_t, int32_t) =
-        j->a.type == MB_GGML_Q8_0 ? mb_lanes_run_q8_0 : j->a.type == MB_GGML_Q4_0 ? mb_lanes_run_q4_0
-        : j->a.type == MB_GGML_Q4_1 ? mb_lanes_run_q4_1 : j->a.type == MB_GGML_Q5_0 ? mb_lanes_run_q5_0
-        : j->a.type == MB_GGML_Q5_1 ? mb_lanes_run_q5_1 : j->a.type == MB_GGML_Q4_K ? mb_lanes_run_q4_k
-        : j->a.type == MB_GGML_Q5_K ? mb_lanes_run_q5_k : mb_lanes_run_q6_k;
+    const mb_lanes_run_fn run = mb_lanes_run_pick(j->a.type);
     for (;;) {
         int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
         if (take == 0)
             break;
         for (int64_t i = first; i < first + take; i++) {
-            int32_t g = (int32_t)(i / j->chunks), ch = (int32_t)(i % j->chunks);
-            int32_t r0 = ch * MB_LANES_ROWS, c0 = g * MB_WIDE_OUTS;
-            run(j, r0, j->a.m - r0 < MB_LANES_ROWS ? j->a.m - r0 : MB_LANES_ROWS, c0,
-                j->a.n - c0 < MB_WIDE_OUTS ? j->a.n - c0 : MB_WIDE_OUTS);
+            int32_t r0, rows, c0, outs;
+            mb_wide_item_at(&j->a, i, j->chunks, MB_LANES_ROWS, &r0, &rows, &c0, &outs);
+            run(j, r0, rows, c0, outs);
         }
     }
 }
@@ -210,8 +191,7 @@ int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
     struct mb_lanes_job j;
     memset(&j, 0, sizeof j);
     j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
-    if (!mb_wide_format(type, &j.fmt) || !mb_q_call_ok(&j.a, j.fmt.block) ||
-        row_bytes != (int64_t)(k / j.fmt.block) * j.fmt.bytes || !mb_lanes_supported())
+    if (!mb_wide_call_ok(&j.a, &j.fmt) || !mb_lanes_supported())
         return MB_EINVAL;
     const int32_t blocks = (m + MB_LANES_R - 1) / MB_LANES_R;
     uint32_t *xp = NULL;
@@ -241,12 +221,6 @@ int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
 
 int mb_lanes_supported(void) { return 0; }
 
-int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
-                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
-                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
-    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;
-    (void)y, (void)y_mode, (void)ldy, (void)parallel, (void)threads;
-    return MB_EINVAL;
-}
+MB_WIDE_REFUSED(mb_q_linear_lanes)
 
 #endif

@@ -38,6 +38,39 @@ static inline int mb_wide_format(int32_t type, struct mb_wide_format *f) {
     }
 }
 
+/* The checks both prompt kernels make of a call: a type they widen (into *f), the
+ * arguments mb_q_call_ok takes, and weight rows of whole blocks */
+static inline int mb_wide_call_ok(const struct mb_q_call *a, struct mb_wide_format *f) {
+    return mb_wide_format(a->type, f) && mb_q_call_ok(a, f->block) &&
+           a->row_bytes == (int64_t)(a->k / f->block) * f->bytes;
+}
+
+/* Work item i of a call cut into 32-output groups x `chunks` runs of `per` rows (item i:
+ * group i / chunks, run i % chunks): its first row and output and how many of each */
+static inline void mb_wide_item_at(const struct mb_q_call *a, int64_t i, int32_t chunks, int32_t per, int32_t *r0,
+                                   int32_t *rows, int32_t *c0, int32_t *outs) {
+    *r0 = (int32_t)(i % chunks) * per, *c0 = (int32_t)(i / chunks) * MB_WIDE_OUTS;
+    *rows = a->m - *r0 < per ? a->m - *r0 : per;
+    *outs = a->n - *c0 < MB_WIDE_OUTS ? a->n - *c0 : MB_WIDE_OUTS;
+}
+
+/* An item's 32 weight rows from output c0: past its outs outputs, its last row again
+ * (widened, never stored), so every chunk widens 32 rows */
+static inline void mb_wide_rows(const struct mb_q_call *a, int32_t c0, int32_t outs, const uint8_t **wr) {
+    for (int o = 0; o < MB_WIDE_OUTS; o++)
+        wr[o] = a->w + (size_t)(c0 + (o < outs ? o : outs - 1)) * a->row_bytes;
+}
+
+/* A prompt kernel's entry point in a build without the instructions: every call refused */
+#define MB_WIDE_REFUSED(NAME)                                                                                \
+    int NAME(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k, const uint16_t *x,      \
+             int64_t ldx, int32_t m, const float *bias, void *y, int32_t y_mode, int64_t ldy, void *parallel, \
+             int32_t threads) {                                                                              \
+        (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;      \
+        (void)y, (void)y_mode, (void)ldy, (void)parallel, (void)threads;                                    \
+        return MB_EINVAL;                                                                                    \
+    }
+
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define MB_WIDE 1
 #include <immintrin.h>
@@ -211,6 +244,36 @@ MB_WIDE_INLINE void mb_wide_prefetch(const struct mb_q_call *a, const struct mb_
         for (int32_t off = 0; off < bytes; off += 64)
             _mm_prefetch((const char *)(wr[o] + at + off), _MM_HINT_T0);
 }
+
+/* One instance of ITEM(job, r0, rows, c0, outs, type) (an always-inline function) per block
+ * type under TARGET, the type a constant in each so the widening's switches fold away, and
+ * NAME_pick(type) choosing among them once per call */
+#define MB_WIDE_INSTANCE(NAME, JOB, ITEM, TARGET, T)                                                     \
+    static TARGET void NAME(const JOB *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs) {            \
+        ITEM(j, r0, rows, c0, outs, T);                                                                    \
+    }
+#define MB_WIDE_INSTANCES(NAME, JOB, ITEM, TARGET)                                                       \
+    MB_WIDE_INSTANCE(NAME##_q8_0, JOB, ITEM, TARGET, MB_GGML_Q8_0)                                         \
+    MB_WIDE_INSTANCE(NAME##_q4_0, JOB, ITEM, TARGET, MB_GGML_Q4_0)                                         \
+    MB_WIDE_INSTANCE(NAME##_q4_1, JOB, ITEM, TARGET, MB_GGML_Q4_1)                                         \
+    MB_WIDE_INSTANCE(NAME##_q5_0, JOB, ITEM, TARGET, MB_GGML_Q5_0)                                         \
+    MB_WIDE_INSTANCE(NAME##_q5_1, JOB, ITEM, TARGET, MB_GGML_Q5_1)                                         \
+    MB_WIDE_INSTANCE(NAME##_q4_k, JOB, ITEM, TARGET, MB_GGML_Q4_K)                                         \
+    MB_WIDE_INSTANCE(NAME##_q5_k, JOB, ITEM, TARGET, MB_GGML_Q5_K)                                         \
+    MB_WIDE_INSTANCE(NAME##_q6_k, JOB, ITEM, TARGET, MB_GGML_Q6_K)                                         \
+    typedef void (*NAME##_fn)(const JOB *, int32_t, int32_t, int32_t, int32_t);                            \
+    static NAME##_fn NAME##_pick(int32_t type) {                                                           \
+        switch (type) {                                                                                    \
+        case MB_GGML_Q8_0: return NAME##_q8_0;                                                             \
+        case MB_GGML_Q4_0: return NAME##_q4_0;                                                             \
+        case MB_GGML_Q4_1: return NAME##_q4_1;                                                             \
+        case MB_GGML_Q5_0: return NAME##_q5_0;                                                             \
+        case MB_GGML_Q5_1: return NAME##_q5_1;                                                             \
+        case MB_GGML_Q4_K: return NAME##_q4_k;                                                             \
+        case MB_GGML_Q5_K: return NAME##_q5_k;                                                             \
+        default: return NAME##_q6_k; /* mb_wide_call_ok let no other type in */                           \
+        }                                                                                                  \
+    }
 
 #else
 #define MB_WIDE 0
