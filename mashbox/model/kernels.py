@@ -17,10 +17,10 @@ Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs her
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
 - prompt_linears: the GGUF linears' prompt rows (every row not flagged in
-  Batch.row_decode) on AMX tiles ("amx": csrc/amx.c's tile rule, several times the
-  vdpbf16ps kernels' speed at prefill), on vdpbf16ps lanes ("lanes": csrc/lanes.c's
-  lanes rule, each output's blocks widened once per 512 rows: 1.2-2.2x the decode
-  kernels at prefill, benchmarks/quant.py) or on the decode rows' kernel ("same").
+  Batch.row_decode) on AMX tiles ("amx": csrc/amx.c's tile rule), on vdpbf16ps lanes
+  ("lanes": csrc/lanes.c's lanes rule, each output's blocks widened once per 512 rows
+  instead of once per few rows) or on the decode rows' kernel ("same");
+  benchmarks/quant.py measures them.
   "auto" takes amx for weights gguf on csrc's linears where the tiles run
   (native.amx_supported()) and the kernel is the AVX512-BF16 one, else lanes there. A
   row's bits depend on its kind alone, so chunked prefill and batching stay invariant
