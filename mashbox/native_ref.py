@@ -383,12 +383,20 @@ def bf16_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
     rounded once when add_to (uint16[m, n]) is given."""
     xf = _flush(bf16_to_f32(x))  # [m, k]
     wf = _flush(bf16_to_f32(w))  # [n, k]
-    acc = np.zeros((xf.shape[0], wf.shape[0]), dtype=np.float32)  # [m, n]
     with np.errstate(all="ignore"):
-        for p in range(xf.shape[1] // 2):
-            for i in (2 * p + 1, 2 * p):
-                acc = _flush(acc + np.multiply.outer(xf[:, i], wf[:, i]))
+        acc = _pair_chain(xf[:, None, :], wf[None, :, :])  # [m, n]
     return _linear_y(acc, bias, add_to, y_f32)
+
+
+def _pair_chain(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The rule's one accumulator per output: x, w float32 (flushed; broadcast against
+    each other), last axis the elements -> the chain from +0 over their pairs in order,
+    acc = flush(acc + x[2p + 1] w[2p + 1]), then flush(acc + x[2p] w[2p])."""
+    acc = np.float32(0)
+    for i in range(x.shape[-1] // 2):
+        acc = _flush(np.asarray(acc + x[..., 2 * i + 1] * w[..., 2 * i + 1], dtype=np.float32))
+        acc = _flush(np.asarray(acc + x[..., 2 * i] * w[..., 2 * i], dtype=np.float32))
+    return acc
 
 
 NORM_LANES = 8
@@ -898,22 +906,12 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
 
 # ---- the lanes rule (csrc/lanes.c): prompt rows of the GGUF linears on vdpbf16ps lanes ----
 #
-# The tile rule's frame with another dot: one vdpbf16ps chain from +0 per sub-block, P =
-# flush(flush(P + x[2p + 1] q[2p + 1]) + x[2p] q[2p]) over the pairs p in order (x
-# flushed), the instruction's own order (kq_linear's pair step).
-
-
-def _lanes_dp(x: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """x float32[m, 1, S, L] (flushed), q float32[1 or n, ..., S, L] -> [m, n, S]: one chain
-    over the pairs, the odd element's product first."""
-    p = np.float32(0)
-    for i in range(x.shape[-1] // 2):
-        p = _flush(np.asarray(p + x[..., 2 * i + 1] * q[..., 2 * i + 1], dtype=np.float32))
-        p = _flush(np.asarray(p + x[..., 2 * i] * q[..., 2 * i], dtype=np.float32))
-    return p
+# The tile rule's frame with another dot: per sub-block bf16_linear's chain (_pair_chain:
+# from +0, P = flush(flush(P + x[2p + 1] q[2p + 1]) + x[2p] q[2p]) over the pairs p in
+# order, x flushed), the instruction's own order.
 
 
 def q_linear_lanes(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
                    y_f32: bool = False, add_to: np.ndarray | None = None) -> np.ndarray:
     """As q_linear_tiles, by the lanes rule above."""
-    return _q_linear_subs(_lanes_dp, qtype, w, x, bias, y_f32, add_to)
+    return _q_linear_subs(_pair_chain, qtype, w, x, bias, y_f32, add_to)
