@@ -41,13 +41,14 @@ import torch
 from mashbox import native
 from mashbox.model import attention
 from mashbox.model.errors import ModelError
+from mashbox.model.linear import PROMPT_RULES
 from mashbox.model.model_config import ModelConfig
 
 LINEARS = ("auto", "csrc", "onednn", "torch")
 ATTENTION = ("auto", "csrc", "sdpa")
 PREFILL = ("auto", "csrc", "sdpa")
 LAYERS = ("auto", "c", "python")
-PROMPT_LINEARS = ("auto", "amx", "lanes", "same")
+PROMPT_LINEARS = ("auto", *PROMPT_RULES)  # auto, amx, lanes, same
 KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
 
 
@@ -119,10 +120,12 @@ class Kernels:
             raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
         quant = linears == "csrc" and weights == "gguf" and kernel == native.KERNEL_AVX512BF16
-        runs = {"amx": quant and native.amx_supported(), "lanes": quant and native.lanes_supported(), "same": True}
+        # a rule with a kernel of its own runs on the AVX512-BF16 GGUF linears only
+        runs = {rule: kernel_fn is None or quant and supported()
+                for rule, (supported, kernel_fn) in PROMPT_RULES.items()}
         prompt_linears = self.prompt_linears
         if prompt_linears == "auto":
-            prompt_linears = next(rule for rule in ("amx", "lanes", "same") if runs[rule])
+            prompt_linears = next(rule for rule in PROMPT_RULES if runs[rule])
         elif not runs[prompt_linears]:
             need = ("AMX-BF16 tiles that the OS lets this process use" if prompt_linears == "amx"
                     else "AVX512-BF16")

@@ -52,9 +52,10 @@ from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 INT4_GROUP = 32  # GGUF Q4_0 / Q4_1 block: requantizing their weights at it is near exact
 
 PromptRuns = tuple[tuple[int, int], ...]  # [t0, t1) runs of prompt rows, in order, disjoint
-# QuantLinear's prompt rules: name -> (runs here?, the prompt rows' kernel or None)
-PROMPT_RULES = {"same": (lambda: True, None), "amx": (native.amx_supported, csrc.q_linear_tiles),
-                "lanes": (native.lanes_supported, csrc.q_linear_lanes)}
+# QuantLinear's prompt rules: name -> (runs here?, the prompt rows' kernel or None), in
+# the order Kernels' prompt_linears "auto" prefers them
+PROMPT_RULES = {"amx": (native.amx_supported, csrc.q_linear_tiles),
+                "lanes": (native.lanes_supported, csrc.q_linear_lanes), "same": (lambda: True, None)}
 
 
 def bf16_kernel_available() -> bool:
