@@ -36,12 +36,13 @@
  * float32 elsewhere (MB_KERNEL_AVX512BF16_INT32 asks for that route here): the same words.
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
- * (guided runs). Up to MB_Q_DIRECT rows widen each block in registers and use it for all
- * their rows at once (a decode step streams the weights once; each tile prefetches the
- * next tile's rows). More rows (prefill): the item widens its 16 outputs' blocks, MB_Q_KC
- * at a time, into a per-call stack scratch (L1 sized) and sweeps all its rows over it,
- * the accumulators parked between chunks in float32 (exact): the same arithmetic, in the
- * same order per output, so the bits do not depend on the path.
+ * (guided runs). One row (a batch-1 decode step) widens each block in registers and uses
+ * it at once (mb_q_one_row: the weights streamed once; each item prefetches the next
+ * item's rows). Two or more rows (a batched step, prefill): the item widens its 16
+ * outputs' blocks, MB_Q_KC at a time, into a per-call stack scratch (L1 sized) and sweeps
+ * all its rows over it, MB_Q_MR at a time (mb_q_many_rows), the accumulators parked
+ * between chunks in float32 (exact): the same arithmetic, in the same order per output,
+ * so the bits do not depend on the path.
  */
 #include "mashbox.h"
 #include "bf16.h"
