@@ -40,9 +40,10 @@
  * it at once (mb_q_one_row: the weights streamed once; each item prefetches the next
  * item's rows). Two or more rows (a batched step, prefill): the item widens its 16
  * outputs' blocks, MB_Q_KC at a time, into a per-call stack scratch (L1 sized) and sweeps
- * all its rows over it, MB_Q_MR at a time (mb_q_many_rows), the accumulators parked
- * between chunks in float32 (exact): the same arithmetic, in the same order per output,
- * so the bits do not depend on the path.
+ * all its rows over it (mb_q_many_rows: MB_Q_MR rows a sweep, MB_Q_MR_M for formats
+ * with m, the rows left over one at a time), the accumulators parked between chunks in
+ * float32 (exact): the same arithmetic, in the same order per output, so the bits do not
+ * depend on the path.
  */
 #include "mashbox.h"
 #include "bf16.h"
