@@ -196,10 +196,9 @@ int64_t mb_q_row_bytes(int32_t type, int32_t k);
 /* 1 when mb_q_linear runs this type (the legacy types here, the K-quants in csrc/kquant.c). */
 int mb_q_supported(int32_t type);
 
-/* 1 when mb_q_linear's MB_KERNEL_AVX512BF16 widens Q8_0 through float16 (a CPU with
- * AVX512-FP16 and AVX512-BF16), 0 when it does not, -1 when the build's compiler does not
- * know AVX512-FP16 (GCC before 12, clang before 14). */
-int mb_q_fp16_widening(void);
+/* 1 when mb_q_linear's MB_KERNEL_AVX512BF16 widens Q8_0 through byte lookups (a CPU with
+ * AVX512-VBMI and AVX512-BF16), 0 when it does not, -1 when the build has no AVX512 path. */
+int mb_q_vbmi_widening(void);
 
 /* y[r, c] = x[r, :k] . dequant(w row c) (+ bias[c]) for r < m, c < n. w: n rows,
  * row_bytes apart, each k / 32 blocks in ggml's own layout (the GGUF file's bytes); x:

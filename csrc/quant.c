@@ -31,9 +31,9 @@
  * vdpbf16ps and one fma per four outputs and row (the old 16 lanes of one step paid an
  * fma per vdpbf16ps: half the dense kernel's speed at prefill), and the x vector of a
  * step (8 inputs) is one 128-bit broadcast shared by all outputs. The four outputs'
- * blocks are widened by a 4 x 4 transpose of 8-byte pieces (mb_q_widen4); Q8_0's
- * integers become bfloat16 through float16 on CPUs with AVX512-FP16, through int32 and
- * float32 elsewhere (MB_KERNEL_AVX512BF16_INT32 asks for that route here): the same words.
+ * blocks are widened side by side (mb_q_widen4); Q8_0's integers become bfloat16 through
+ * byte lookups on CPUs with AVX512-VBMI, through int32 and float32 elsewhere
+ * (MB_KERNEL_AVX512BF16_INT32 asks for that route here): the same words.
  *
  * Work: items of up to MB_Q_ROWS rows x MB_Q_OUTS outputs, handed out as mb_bf16_linear's
  * (guided runs). One row (a batch-1 decode step) widens each block in registers and uses
@@ -160,49 +160,105 @@ static void mb_q_run_portable(const struct mb_q_job *j, int32_t r0, int32_t rows
 
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
 #define MB_Q_AVX512 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 #define MB_Q_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 #define MB_Q_INLINE static inline __attribute__((always_inline)) MB_Q_TARGET
-/* AVX512-FP16's vcvtw2ph widens Q8_0's integers in one step (GCC 12, clang 14 know it) */
-#if (defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12)
-#define MB_Q_FP16 1
-#include <cpuid.h>
-#define MB_Q_TARGET_FP16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,avx512fp16")))
-#else
-#define MB_Q_FP16 0
-#endif
+#define MB_Q_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,avx512vbmi")))
 
-/* Q8_0: a block's 32 integers, in element order. */
-MB_Q_INLINE __m256i mb_q_ints(const int32_t type, const uint8_t *blk) {
-    (void)type;
-    return _mm256_loadu_si256((const __m256i *)(blk + 2));
+/* Four outputs' Q8_0 block b (blk[o]) widened: w[s] holds, in 128-bit lane o, output o's
+ * elements 8s .. 8s+7 as bfloat16 (exact). One of two routes, passed down to
+ * mb_q_widen4 as a constant (inlined there; a direct call would have to share its caller's
+ * target): mb_q_q8_int32 (any AVX512-BF16 CPU) or mb_q_q8_vbmi (AVX512-VBMI); the same
+ * words. */
+typedef void (*mb_q_q8_widen)(const uint8_t *const blk[4], __m512bh w[4]);
+
+/* The int32 route's input: a 4 x 4 transpose of 8-byte pieces, p[s] the four
+ * outputs' elements 8s .. 8s+7 side by side. */
+MB_Q_INLINE void mb_q_q8_pieces(const uint8_t *const blk[4], __m256i p[4]) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(blk[0] + 2)), b = _mm256_loadu_si256((const __m256i *)(blk[1] + 2));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(blk[2] + 2)), e = _mm256_loadu_si256((const __m256i *)(blk[3] + 2));
+    __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
+    __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
+    p[0] = _mm256_permute2x128_si256(ab_lo, ce_lo, 0x20); /* [a0 b0 c0 e0] */
+    p[1] = _mm256_permute2x128_si256(ab_hi, ce_hi, 0x20);
+    p[2] = _mm256_permute2x128_si256(ab_lo, ce_lo, 0x31);
+    p[3] = _mm256_permute2x128_si256(ab_hi, ce_hi, 0x31);
 }
 
-/* 32 int8 -> 32 bfloat16 (exact), in order: a widening, passed down to mb_q_widen4 as a
- * constant (inlined there; a direct call would have to share its caller's target):
- * bf16.h's mb_i8_bf16 (through int32 and float32: any AVX512-BF16 CPU) or mb_q_bf16_fp16. */
-typedef __m512bh (*mb_q_int8_bf16)(__m256i);
-
-#if MB_Q_FP16
-/* through float16 (AVX512-FP16): vcvtw2ph is exact for |q| <= 128, whose float16 has its
- * three low mantissa bits clear; the bfloat16 is then the exponent and mantissa bits
- * shifted right by 3, the exponent rebiased (+112, from 15 to 127) unless q is 0, and
- * the sign: six cheap instructions per 32 for the int32 route's five, two of them
- * conversions and one a vcvtne2ps2bf16 (the batch-1 Q8_0 step is bound by this kernel,
- * not by memory: benchmarks/quant.py's kernel bound). */
-static inline __attribute__((always_inline)) MB_Q_TARGET_FP16 __m512bh mb_q_bf16_fp16(__m256i v) {
-    __m512i h = _mm512_castph_si512(_mm512_cvtepi16_ph(_mm512_cvtepi8_epi16(v)));
-    __m512i bits = _mm512_srli_epi16(_mm512_slli_epi16(h, 1), 4);
-    bits = _mm512_mask_add_epi16(bits, _mm512_test_epi16_mask(h, h), bits, _mm512_set1_epi16(112 << 7));
-    return (__m512bh)_mm512_ternarylogic_epi32(bits, h, _mm512_set1_epi16((short)0x8000), 0xd8); /* sign from h */
+/* through int32 and float32 (bf16.h's mb_i8_bf16): five instructions per 32 */
+MB_Q_INLINE void mb_q_q8_int32(const uint8_t *const blk[4], __m512bh w[4]) {
+    __m256i p[4];
+    mb_q_q8_pieces(blk, p);
+    for (int s = 0; s < 4; s++)
+        w[s] = mb_i8_bf16(p[s]);
 }
 
-static int mb_q_has_fp16(void) {
+/* Byte tables of 128 for vpermt2b: the low (lo) and high (hp) bytes of bfloat16(i), and
+ * the high byte of bfloat16(i - 128) (hn: a negative q's low 7 bits are q + 128). */
+static const uint8_t mb_q8_lo[128] __attribute__((aligned(64))) = {
+    0x00, 0x80, 0x00, 0x40, 0x80, 0xa0, 0xc0, 0xe0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
+    0x80, 0x88, 0x90, 0x98, 0xa0, 0xa8, 0xb0, 0xb8, 0xc0, 0xc8, 0xd0, 0xd8, 0xe0, 0xe8, 0xf0, 0xf8,
+    0x00, 0x04, 0x08, 0x0c, 0x10, 0x14, 0x18, 0x1c, 0x20, 0x24, 0x28, 0x2c, 0x30, 0x34, 0x38, 0x3c,
+    0x40, 0x44, 0x48, 0x4c, 0x50, 0x54, 0x58, 0x5c, 0x60, 0x64, 0x68, 0x6c, 0x70, 0x74, 0x78, 0x7c,
+    0x80, 0x82, 0x84, 0x86, 0x88, 0x8a, 0x8c, 0x8e, 0x90, 0x92, 0x94, 0x96, 0x98, 0x9a, 0x9c, 0x9e,
+    0xa0, 0xa2, 0xa4, 0xa6, 0xa8, 0xaa, 0xac, 0xae, 0xb0, 0xb2, 0xb4, 0xb6, 0xb8, 0xba, 0xbc, 0xbe,
+    0xc0, 0xc2, 0xc4, 0xc6, 0xc8, 0xca, 0xcc, 0xce, 0xd0, 0xd2, 0xd4, 0xd6, 0xd8, 0xda, 0xdc, 0xde,
+    0xe0, 0xe2, 0xe4, 0xe6, 0xe8, 0xea, 0xec, 0xee, 0xf0, 0xf2, 0xf4, 0xf6, 0xf8, 0xfa, 0xfc, 0xfe,
+};
+static const uint8_t mb_q8_hp[128] __attribute__((aligned(64))) = {
+    0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+};
+static const uint8_t mb_q8_hn[128] __attribute__((aligned(64))) = {
+    0xc3, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2, 0xc2,
+    0xc2, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1,
+    0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc1, 0xc0, 0xc0, 0xc0, 0xc0, 0xc0, 0xc0, 0xbf,
+};
+
+/* through byte lookups (AVX512-VBMI): the four outputs' first (second) 16 integers side
+ * by side in one zmm, in order; each bfloat16's low byte looked up by |q| (bfloat16(-128)
+ * and bfloat16(0) share theirs, 0), its high byte by q's low 7 bits in the table its sign
+ * picks; unpacking low and high bytes gives steps 0, 1 (2, 3). Eight instructions per 64
+ * integers for the int32 route's ten, and two shuffles of four loads for its transpose's
+ * eight: the batch-1 Q8_0 step is bound by this widening, not by memory. */
+static inline __attribute__((always_inline)) MB_Q_TARGET_VBMI void mb_q_q8_vbmi(const uint8_t *const blk[4],
+                                                                                __m512bh w[4]) {
+    const __m512i lo0 = _mm512_load_si512(mb_q8_lo), lo1 = _mm512_load_si512(mb_q8_lo + 64);
+    const __m512i hp0 = _mm512_load_si512(mb_q8_hp), hp1 = _mm512_load_si512(mb_q8_hp + 64);
+    const __m512i hn0 = _mm512_load_si512(mb_q8_hn), hn1 = _mm512_load_si512(mb_q8_hn + 64);
+    __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk[0] + 2))),
+                                    _mm256_loadu_si256((const __m256i *)(blk[1] + 2)), 1);
+    __m512i ce = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk[2] + 2))),
+                                    _mm256_loadu_si256((const __m256i *)(blk[3] + 2)), 1);
+    /* ab's 128-bit lanes: a 0-15, a 16-31, b 0-15, b 16-31 */
+    const __m512i half[2] = {_mm512_shuffle_i64x2(ab, ce, 0x88), _mm512_shuffle_i64x2(ab, ce, 0xdd)};
+    for (int h = 0; h < 2; h++) {
+        __m512i q = half[h];
+        __m512i lo = _mm512_permutex2var_epi8(lo0, _mm512_abs_epi8(q), lo1);
+        __m512i hi = _mm512_mask_blend_epi8(_mm512_movepi8_mask(q), _mm512_permutex2var_epi8(hp0, q, hp1),
+                                            _mm512_permutex2var_epi8(hn0, q, hn1));
+        w[2 * h] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+        w[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+    }
+}
+
+static int mb_q_has_vbmi(void) {
     unsigned a, b, c, d;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 23 & 1u); /* CPUID.7.0:EDX.AVX512_FP16 */
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c >> 1 & 1u); /* CPUID.7.0:ECX.AVX512_VBMI */
 }
-#endif
 
 /* bfloat16 of each nibble's integer, without (lo) and with (hi) the fifth bit: Q4_0 less
  * 8, Q5_0 less 16 (exact); indices 16..31 unused. */
@@ -225,22 +281,14 @@ MB_Q_INLINE void mb_q_make_tables(const int32_t type, struct mb_q_tables *t) {
 
 /* Four outputs' block b (blk[o]): w[s] holds, in 128-bit lane o, output o's elements
  * 8s .. 8s+7 (lane l of the four: pair 4s + l); d (and m) each output's, four times.
- * Q8_0: a 4 x 4 transpose of 8-byte pieces, then the widening cv (mb_i8_bf16, or
- * mb_q_bf16_fp16 where the CPU has AVX512-FP16). Nibbles:
+ * Q8_0: the widening cv (mb_q_q8_int32, or mb_q_q8_vbmi where the CPU has VBMI). Nibbles:
  * the four outputs' 16 qs bytes side by side in one zmm; unpacking its low (high) nibbles
  * with zero bytes gives steps 0, 1 (2, 3) as 16-bit indices, and one vpermw each maps
  * them to bfloat16 (a second, masked by qh's bits, adds the fifth bit's 16). */
-MB_Q_INLINE void mb_q_widen4(const int32_t type, const mb_q_int8_bf16 cv, const struct mb_q_tables *tb,
+MB_Q_INLINE void mb_q_widen4(const int32_t type, const mb_q_q8_widen cv, const struct mb_q_tables *tb,
                              const uint8_t *const blk[4], __m512bh w[4], __m512 *d, __m512 *m) {
     if (type == MB_GGML_Q8_0) {
-        __m256i a = mb_q_ints(type, blk[0]), b = mb_q_ints(type, blk[1]);
-        __m256i c = mb_q_ints(type, blk[2]), e = mb_q_ints(type, blk[3]);
-        __m256i ab_lo = _mm256_unpacklo_epi64(a, b), ab_hi = _mm256_unpackhi_epi64(a, b); /* [a0 b0 | a2 b2] */
-        __m256i ce_lo = _mm256_unpacklo_epi64(c, e), ce_hi = _mm256_unpackhi_epi64(c, e);
-        w[0] = cv(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x20)); /* [a0 b0 c0 e0] */
-        w[1] = cv(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x20));
-        w[2] = cv(_mm256_permute2x128_si256(ab_lo, ce_lo, 0x31));
-        w[3] = cv(_mm256_permute2x128_si256(ab_hi, ce_hi, 0x31));
+        cv(blk, w);
     } else {
         const int qs_at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
         __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk[0] + qs_at)));
@@ -306,19 +354,25 @@ MB_Q_INLINE void mb_q_rows(const struct mb_q_job *j, int32_t c0, int32_t outs, c
 
 /* One row, up to 16 outputs: each group's block is widened and used at once; the next
  * item's rows are prefetched as this one goes (the hardware prefetcher alone leaves the
- * widening and the misses one after the other). */
+ * widening and the misses one after the other). FULL (a constant): the item has all 16
+ * outputs, so output o's block is the first's plus o row strides (addressing modes, no
+ * table of 16 pointers to keep in registers); else the rows past outs repeat its last. */
 MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t c0,
-                              int32_t outs, const int32_t type, const mb_q_int8_bf16 cv) {
+                              int32_t outs, const int32_t type, const mb_q_q8_widen cv, const int FULL) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
+    if (FULL)
+        outs = MB_Q_OUTS;
     const int32_t blocks = j->a.k / MB_Q_BLOCK, groups = (outs + 3) / 4;
+    const int64_t rb = j->a.row_bytes;
     const uint8_t *wr[MB_Q_OUTS];
     mb_q_rows(j, c0, outs, wr);
     const int32_t ahead = c0 + 2 * MB_Q_OUTS <= j->a.n;
-    const int64_t pf = (int64_t)MB_Q_OUTS * j->a.row_bytes;
+    const int64_t pf = (int64_t)MB_Q_OUTS * rb;
     const int every = 64 / bytes;
     const uint16_t *x = j->a.x + (size_t)r0 * j->a.ldx;
+    const uint8_t *w0 = j->a.w + (size_t)c0 * rb;
     const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int32_t b = 0; b < blocks; b++) {
@@ -330,10 +384,11 @@ MB_Q_INLINE void mb_q_one_row(const struct mb_q_job *j, const struct mb_q_tables
         if (has_m)
             for (int s = 0; s < 4; s++)
                 sx = _mm512_dpbf16_ps(sx, xs[s], ones);
+        const uint8_t *wb = w0 + (size_t)b * bytes;
         for (int g = 0; g < groups; g++) {
             const uint8_t *blk[4];
             for (int o = 0; o < 4; o++) {
-                blk[o] = wr[4 * g + o] + (size_t)b * bytes;
+                blk[o] = FULL ? wb + (4 * g + o) * rb : wr[4 * g + o] + (size_t)b * bytes;
                 if (ahead && b % every == 0)
                     _mm_prefetch((const char *)(blk[o] + pf), _MM_HINT_T0);
             }
@@ -409,7 +464,7 @@ MB_Q_INLINE void mb_q_sweep(const struct mb_q_chunk *sc, int32_t kb, const uint1
 /* Two or more rows: chunk by chunk of blocks, widen the item's 16 outputs once into the
  * scratch, then sweep every row over it (MR rows at a time). */
 MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tables *tb, int32_t r0, int32_t rows,
-                                int32_t c0, int32_t outs, const int32_t type, const mb_q_int8_bf16 cv) {
+                                int32_t c0, int32_t outs, const int32_t type, const mb_q_q8_widen cv) {
     const int has_m = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1;
     const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
                       : type == MB_GGML_Q5_0 ? 22 : 24;
@@ -450,44 +505,38 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
                             int32_t outs) {                                                 \
         struct mb_q_tables tb;                                                              \
         mb_q_make_tables(T, &tb);                                                           \
-        if (rows == 1)                                                                      \
-            mb_q_one_row(j, &tb, r0, c0, outs, T, CV);                                      \
+        if (rows == 1 && outs == MB_Q_OUTS)                                                 \
+            mb_q_one_row(j, &tb, r0, c0, outs, T, CV, 1);                                   \
+        else if (rows == 1)                                                                 \
+            mb_q_one_row(j, &tb, r0, c0, outs, T, CV, 0);                                   \
         else                                                                                \
             mb_q_many_rows(j, &tb, r0, rows, c0, outs, T, CV);                              \
     }
 
-MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0, MB_Q_TARGET, mb_i8_bf16)
-#if MB_Q_FP16
-MB_Q_RUN(mb_q_run_q8_0_fp16, MB_GGML_Q8_0, MB_Q_TARGET_FP16, mb_q_bf16_fp16)
-#endif
-MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0, MB_Q_TARGET, mb_i8_bf16)
-MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1, MB_Q_TARGET, mb_i8_bf16)
-MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0, MB_Q_TARGET, mb_i8_bf16)
-MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1, MB_Q_TARGET, mb_i8_bf16)
+MB_Q_RUN(mb_q_run_q8_0, MB_GGML_Q8_0, MB_Q_TARGET, mb_q_q8_int32)
+MB_Q_RUN(mb_q_run_q8_0_vbmi, MB_GGML_Q8_0, MB_Q_TARGET_VBMI, mb_q_q8_vbmi)
+MB_Q_RUN(mb_q_run_q4_0, MB_GGML_Q4_0, MB_Q_TARGET, mb_q_q8_int32)
+MB_Q_RUN(mb_q_run_q4_1, MB_GGML_Q4_1, MB_Q_TARGET, mb_q_q8_int32)
+MB_Q_RUN(mb_q_run_q5_0, MB_GGML_Q5_0, MB_Q_TARGET, mb_q_q8_int32)
+MB_Q_RUN(mb_q_run_q5_1, MB_GGML_Q5_1, MB_Q_TARGET, mb_q_q8_int32)
 
 typedef void (*mb_q_run_fn)(const struct mb_q_job *, int32_t, int32_t, int32_t, int32_t);
 
-/* Q8_0's kernel: the float16 widening where the CPU has it, unless kernel asks for the
- * int32 one (the CPUs without it; the tests run both here) */
+/* Q8_0's kernel: the byte lookups where the CPU has VBMI, unless kernel asks for the
+ * int32 route (the AVX512-BF16 CPUs without VBMI, Cooper Lake; the tests run both here) */
 static mb_q_run_fn mb_q_run_q8_0_for(int32_t kernel) {
-#if MB_Q_FP16
-    if (kernel == MB_KERNEL_AVX512BF16 && mb_q_fp16_widening() == 1)
-        return mb_q_run_q8_0_fp16;
-#endif
-    (void)kernel;
-    return mb_q_run_q8_0;
+    return kernel == MB_KERNEL_AVX512BF16 && mb_q_vbmi_widening() == 1 ? mb_q_run_q8_0_vbmi : mb_q_run_q8_0;
 }
 #else
 #define MB_Q_AVX512 0
-#define MB_Q_FP16 0
 #endif
 
-int mb_q_fp16_widening(void) {
-#if MB_Q_FP16
-    static int fp16 = -1; /* CPUID, read once (a benign race: every thread reads the same) */
-    if (fp16 < 0)
-        fp16 = mb_bf16_kernel() == MB_KERNEL_AVX512BF16 && mb_q_has_fp16();
-    return fp16;
+int mb_q_vbmi_widening(void) {
+#if MB_Q_AVX512
+    static int vbmi = -1; /* CPUID, read once (a benign race: every thread reads the same) */
+    if (vbmi < 0)
+        vbmi = mb_bf16_kernel() == MB_KERNEL_AVX512BF16 && mb_q_has_vbmi();
+    return vbmi;
 #else
     return -1;
 #endif

@@ -323,7 +323,7 @@ def longest_prefix(
 # array-level functions (bf16_linear, bf16_attention, ...) are the checked twins of
 # native_ref's, for the parity tests.
 KERNEL_PORTABLE, KERNEL_AVX512BF16 = 1, 2
-# q_linear's legacy types only: KERNEL_AVX512BF16 as CPUs without AVX512-FP16 run Q8_0 (the same bits)
+# q_linear's legacy types only: KERNEL_AVX512BF16 as CPUs without AVX512-VBMI run Q8_0 (the same bits)
 KERNEL_AVX512BF16_INT32 = 3
 Y_BF16, Y_F32, Y_ADD_BF16 = 0, 1, 2  # what bf16_linear_ptr writes to y (csrc/mashbox.h)
 
@@ -763,11 +763,10 @@ def q_supported(qtype: int) -> bool:
     return _lib is not None and bool(_lib.mb_q_supported(qtype))
 
 
-def q_fp16_widening() -> int:
-    """1: q_linear's KERNEL_AVX512BF16 widens Q8_0 through float16 (AVX512-FP16) here; 0:
-    this CPU cannot; -1: this build cannot (its compiler predates AVX512-FP16, or no
-    extension)."""
-    return int(_lib.mb_q_fp16_widening()) if _lib is not None else -1
+def q_vbmi_widening() -> int:
+    """1: q_linear's KERNEL_AVX512BF16 widens Q8_0 through byte lookups (AVX512-VBMI) here;
+    0: this CPU cannot; -1: this build has no AVX512 path (or no extension)."""
+    return int(_lib.mb_q_vbmi_widening()) if _lib is not None else -1
 
 
 def amx_supported() -> bool:

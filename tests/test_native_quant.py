@@ -15,7 +15,7 @@ from mashbox.model.block_weight import GGML_TYPES, BlockWeight
 
 gguf = pytest.importorskip("gguf")
 
-# avx512bf16 widens Q8_0 through float16 where the CPU has AVX512-FP16; avx512bf16-int32
+# avx512bf16 widens Q8_0 through byte lookups where the CPU has AVX512-VBMI; avx512bf16-int32
 # is what the CPUs without it run; the last is the fastest here
 KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX512BF16]
                                       if linear.bf16_kernel_available() else [])
@@ -124,15 +124,32 @@ def test_rows_do_not_depend_on_their_batch(kernel, qtype):
     assert torch.equal(lin(x, torch.float32).bfloat16(), alone)
 
 
-def test_q8_0_widens_through_float16_where_the_cpu_has_it():
+def test_q8_0_widens_through_byte_lookups_where_the_cpu_has_vbmi():
     """What makes the avx512bf16 and avx512bf16-int32 runs above two kernels, not one."""
     flags = device.cpu_flags()
     if not flags:
         pytest.skip("the CPU's flags come from Linux's /proc/cpuinfo")
-    state = native.q_fp16_widening()
+    state = native.q_vbmi_widening()
     if state < 0:
-        pytest.skip("this build's compiler predates AVX512-FP16")
-    assert state == int({"avx512_fp16", "avx512_bf16"} <= flags)
+        pytest.skip("this build has no AVX512 path")
+    assert state == int({"avx512vbmi", "avx512_bf16"} <= flags)
+
+
+def test_q8_0_every_integer_widens_exactly():
+    """Each of the 256 integers (-128 included: the lookups' one corner) in every position
+    of a block, on each kernel: the reference's bits."""
+    q = np.arange(-128, 128, dtype=np.int8).reshape(8, 32)
+    rows = np.concatenate([np.roll(q, s, axis=1) for s in range(0, 32, 5)])  # [56, 32]
+    rows = np.tile(rows, (1, 3))  # three blocks a row
+    n = rows.shape[0]
+    d = np.full((n, 3, 1), 0.5, np.float16).view(np.uint8)  # [n, 3, 2]
+    w = np.concatenate([d, rows.reshape(n, 3, 32).view(np.uint8)], axis=2).reshape(n, 3 * 34)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(4)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+    ref = native_ref.q_linear(int(gguf.GGMLQuantizationType.Q8_0), w, x)
+    for kernel in KERNELS:
+        for m in (1, 5):
+            got = native.q_linear(int(gguf.GGMLQuantizationType.Q8_0), w, x[:m], kernel=kernel)
+            assert _same(got, ref[:m], False), kernel
 
 
 def test_threads_and_kernels_give_the_same_bits():
