@@ -156,6 +156,16 @@ static inline __attribute__((always_inline, target("avx512f"))) __m512 mb_exp16(
     return _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_setzero_ps());
 }
 
+/* the little-endian float16 at p, as float32 (vcvtph2ps: exact, subnormals included, no
+ * branch; ggml_blocks.h's mb_half's values for every non-NaN half): csrc/kquant.c's and
+ * csrc/widen.h's per-block scales, one per 32 weights, where mb_half's shifts and
+ * branches showed in a widening's profile. */
+static inline __attribute__((always_inline, target("f16c"))) float mb_half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
 /* 32 int8 -> 32 bfloat16 (exact: |q| <= 128 has 8 significant bits), in element order,
  * through int32 and float32: Q8_0's integers for csrc/quant.c's kernels where the CPU
  * lacks AVX512-VBMI, and for csrc/widen.h's widening (amx.c, lanes.c) on every CPU. */

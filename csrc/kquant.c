@@ -236,13 +236,6 @@ static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t ro
 
 #define MB_KQ_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 
-/* the float16 at p, as a float (vcvtph2ps: exact, subnormals included, no branch) */
-static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_kq_half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
-}
-
 static inline __attribute__((always_inline)) MB_KQ_TARGET float mb_sum16_avx512(__m512 v) {
     __m256 lo = _mm512_castps512_ps256(v);
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -326,7 +319,7 @@ mb_kq_block_scales(const uint8_t *blk, const int type, __m512 s[4], __m512 *cvp)
     const float unshift = type == MB_GGML_Q4_K ? 0.125f : type == MB_GGML_Q5_K ? 0.25f : 0.5f;
     __m512 cv;
     if (q6) { /* d * sc (exact); lanes of group g: sub-blocks 4g + 0, 0, 0, 0, 1, ... 3 */
-        __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_kq_half(blk + 208)),
+        __m512 s16 = _mm512_mul_ps(_mm512_set1_ps(mb_half_f16c(blk + 208)),
                                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 192)))));
         __m512 sh = _mm512_mul_ps(s16, _mm512_set1_ps(unshift));
         const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -342,9 +335,9 @@ mb_kq_block_scales(const uint8_t *blk, const int type, __m512 s[4], __m512 *cvp)
                        (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
         uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
                        (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk)),
+        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk)),
                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-        __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_kq_half(blk + 2)),
+        __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk + 2)),
                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
         cv = _mm512_castps256_ps512(
             _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));

@@ -159,7 +159,7 @@ MB_WIDE_INLINE void mb_widen(const int32_t type, const uint8_t *row, int32_t e0,
     for (int32_t b = 0; b < elems / 32; b++) {
         const uint8_t *blk = row + (size_t)(e0 / 32 + b) * bytes;
         __m512i v;
-        scale[MB_WIDE_OUTS * b] = mb_half(blk);
+        scale[MB_WIDE_OUTS * b] = mb_half_f16c(blk);
         if (type == MB_GGML_Q8_0) {
             v = (__m512i)mb_i8_bf16(_mm256_loadu_si256((const __m256i *)(blk + 2)));
         } else if (type == MB_GGML_Q4_0) {
@@ -169,12 +169,12 @@ MB_WIDE_INLINE void mb_widen(const int32_t type, const uint8_t *row, int32_t e0,
             memcpy(&qh, blk + 2, 4);
             v = _mm512_permutexvar_epi16(mb_wide_nibbles(blk + 6, qh, 1), tab);
         } else if (type == MB_GGML_Q4_1) {
-            mins[MB_WIDE_OUTS * b] = mb_half(blk + 2);
+            mins[MB_WIDE_OUTS * b] = mb_half_f16c(blk + 2);
             v = _mm512_permutexvar_epi16(mb_wide_nibbles(blk + 4, 0, 0), tab);
         } else { /* Q5_1 */
             uint32_t qh;
             memcpy(&qh, blk + 4, 4);
-            mins[MB_WIDE_OUTS * b] = mb_half(blk + 2);
+            mins[MB_WIDE_OUTS * b] = mb_half_f16c(blk + 2);
             v = _mm512_permutexvar_epi16(mb_wide_nibbles(blk + 8, qh, 1), tab);
         }
         _mm512_storeu_si512(out + 32 * b, v);
