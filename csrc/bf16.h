@@ -167,8 +167,9 @@ static inline __attribute__((always_inline, target("f16c"))) float mb_half_f16c(
 }
 
 /* 32 int8 -> 32 bfloat16 (exact: |q| <= 128 has 8 significant bits), in element order,
- * through int32 and float32: Q8_0's integers for csrc/quant.c's kernels where the CPU
- * lacks AVX512-VBMI, and for csrc/widen.h's widening (amx.c, lanes.c) on every CPU. */
+ * through int32 and float32: Q8_0's integers for csrc/quant.c's and csrc/lanes.c's kernels
+ * where the CPU lacks AVX512-VBMI (or the int32 kernel is asked for), and for
+ * csrc/widen.h's widening in csrc/amx.c on every CPU. */
 static inline __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512bf16"))) __m512bh
 mb_i8_bf16(__m256i v) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));

@@ -31,9 +31,10 @@
  * (formats with a min) are made once per call from it, by the same instruction on 8
  * rows' lanes. A work item is 32 outputs x up to MB_LANES_ROWS rows. Per chunk of
  * MB_WIDE_CHUNK elements its 32 outputs are widened and transposed to [pair][16
- * outputs] (two 8 KB tiles, in L1), the next chunk's blocks prefetched; then per block of
- * 8 rows and sub-block, 16 accumulators (8 rows x 2 vectors of 16 outputs) run the
- * sub-block's pairs and are folded into float32 accumulators parked [rows][32] with the
+ * outputs] (two 8 KB tiles, in L1; Q8_0 where the CPU has VBMI transposed as bytes first,
+ * then widened by byte lookups straight into the tiles: mb_lanes_q8_vbmi), the next
+ * chunk's blocks prefetched; then per block of 8 rows and sub-block, 16 accumulators (8
+ * rows x 2 vectors of 16 outputs) run the sub-block's pairs and are folded into float32 accumulators parked [rows][32] with the
  * outputs' scale and min vectors. Threads: the caller's OpenMP pool, guided handout.
  */
 #include "mashbox.h"
@@ -59,6 +60,7 @@ struct mb_lanes_job {
     const float *sx;    /* formats with a min: [m / 8 blocks][k / 32][8 rows] S sums, else NULL */
     int32_t groups, chunks;
     int64_t items, next, threads;
+    void (*run)(const struct mb_lanes_job *, int32_t, int32_t, int32_t, int32_t); /* the type's instance */
 };
 
 /* One sub-block of 8 rows x 32 outputs: xb the rows' pairs [half][8], B0 / B1 the two
@@ -98,9 +100,49 @@ MB_WIDE_INLINE void mb_lanes_block(const uint32_t *xb, const uint32_t *B0, const
     }
 }
 
-/* rows [r0, r0 + rows) (r0 a multiple of 8) x outputs [c0, c0 + outs) */
+/* Q8_0's block of 16 outputs straight from their bytes to B, where the CPU has
+ * AVX512-VBMI: passed down to mb_lanes_item as a constant (inlined there under the
+ * instance's wider target, as csrc/quant.c's widenings), NULL for mb_widen's route. */
+typedef void (*mb_lanes_q8_fn)(const uint8_t *const blk[16], uint32_t *B);
+
+#define MB_LANES_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,avx512vbmi")))
+
+/* One 32-element block of 16 outputs (blk[o]: output o's block) -> B [16 pairs][16
+ * outputs] dwords, the words mb_widen and mb_wide_transpose make, without a pass through
+ * wide[]: the integers are transposed as bytes first (a 16 x 8 transpose of dwords, each
+ * two pairs: P[i] holds outputs i and i + 4 (8 + i and 12 + i), two unpack stages make 4 x 4
+ * transposes within 128-bit lanes, a lane shuffle gathers dword d of the 16 outputs),
+ * pshufb puts each lane's 4 outputs of pair 2d before those of pair 2d + 1, bf16.h's byte
+ * lookups widen the 64 integers and unpacking their low and high bytes gives pairs 2d and
+ * 2d + 1 in order. About 16 instructions per 64 weights for the other route's ~26. */
+static inline __attribute__((always_inline)) MB_LANES_TARGET_VBMI void mb_lanes_q8_vbmi(const uint8_t *const blk[16],
+                                                                                        uint32_t *B) {
+    __m512i P[8], T[8];
+    for (int i = 0; i < 8; i++) {
+        const int o = i < 4 ? i : 4 + i; /* P[i]: outputs o and o + 4 */
+        P[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(blk[o] + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(blk[o + 4] + 2)), 1);
+    }
+    for (int g = 0; g < 8; g += 4) { /* T[g + c], lane l: dword c (l even) or 4 + c (l odd) of 4 outputs */
+        const __m512i t0 = _mm512_unpacklo_epi32(P[g], P[g + 1]), t1 = _mm512_unpackhi_epi32(P[g], P[g + 1]);
+        const __m512i t2 = _mm512_unpacklo_epi32(P[g + 2], P[g + 3]), t3 = _mm512_unpackhi_epi32(P[g + 2], P[g + 3]);
+        T[g] = _mm512_unpacklo_epi64(t0, t2), T[g + 1] = _mm512_unpackhi_epi64(t0, t2);
+        T[g + 2] = _mm512_unpacklo_epi64(t1, t3), T[g + 3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    for (int d = 0; d < 8; d++) { /* dword d of the 16 outputs: pairs 2d, 2d + 1 */
+        const __m512i D = _mm512_shuffle_i32x4(T[d & 3], T[4 + (d & 3)], d < 4 ? 0x88 : 0xdd);
+        __m512i lo, hi;
+        mb_i8_bf16_bytes(_mm512_shuffle_epi8(D, order), &lo, &hi);
+        _mm512_store_si512(B + 16 * (2 * d), _mm512_unpacklo_epi8(lo, hi));
+        _mm512_store_si512(B + 16 * (2 * d + 1), _mm512_unpackhi_epi8(lo, hi));
+    }
+}
+
+/* rows [r0, r0 + rows) (r0 a multiple of 8) x outputs [c0, c0 + outs); q8: Q8_0's route
+ * (NULL: mb_widen's) */
 MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs,
-                                  const int32_t type) {
+                                  const int32_t type, const mb_lanes_q8_fn q8) {
     /* from the type (a constant in each instance): the min terms and L fixed at compile time */
     const int has_min = type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1 || type == MB_GGML_Q4_K || type == MB_GGML_Q5_K;
     const int L = type == MB_GGML_Q6_K ? 16 : 32, half = L / 2;
@@ -115,10 +157,27 @@ MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int3
     memset(park, 0, sizeof(float) * (size_t)blocks * MB_LANES_R * MB_WIDE_OUTS);
     for (int32_t e0 = 0; e0 < k; e0 += MB_WIDE_CHUNK) {
         const int32_t elems = k - e0 < MB_WIDE_CHUNK ? k - e0 : MB_WIDE_CHUNK, subs = elems / L;
-        for (int o = 0; o < MB_WIDE_OUTS; o++)
-            mb_widen(type, wr[o], e0, elems, wide + MB_WIDE_CHUNK * o, scale + o, mins + o);
-        mb_wide_transpose(wide, elems / 2, B[0]);
-        mb_wide_transpose(wide + 16 * MB_WIDE_CHUNK, elems / 2, B[1]);
+        if (type == MB_GGML_Q8_0 && q8) {
+            for (int32_t s = 0; s < subs; s++) {
+                const uint8_t *blk[MB_WIDE_OUTS];
+                uint16_t d[MB_WIDE_OUTS] __attribute__((aligned(64)));
+                for (int o = 0; o < MB_WIDE_OUTS; o++) {
+                    blk[o] = wr[o] + (size_t)(e0 / 32 + s) * 34;
+                    memcpy(d + o, blk[o], 2);
+                }
+                /* the 32 float16 d by vcvtph2ps, 16 at a time (bf16.h's mb_half_f16c's values) */
+                _mm512_store_ps(scale + MB_WIDE_OUTS * s, _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)d)));
+                _mm512_store_ps(scale + MB_WIDE_OUTS * s + 16,
+                                _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(d + 16))));
+                q8(blk, B[0] + 16 * 16 * s);
+                q8(blk + 16, B[1] + 16 * 16 * s);
+            }
+        } else {
+            for (int o = 0; o < MB_WIDE_OUTS; o++)
+                mb_widen(type, wr[o], e0, elems, wide + MB_WIDE_CHUNK * o, scale + o, mins + o);
+            mb_wide_transpose(wide, elems / 2, B[0]);
+            mb_wide_transpose(wide + 16 * MB_WIDE_CHUNK, elems / 2, B[1]);
+        }
         mb_wide_prefetch(&j->a, &j->fmt, wr, e0);
         for (int32_t b = 0; b < blocks; b++) {
             const uint32_t *xb = j->xp + ((size_t)(b0 + b) * pairs + (size_t)(e0 / 2)) * MB_LANES_R;
@@ -134,11 +193,14 @@ MB_WIDE_INLINE void mb_lanes_item(const struct mb_lanes_job *j, int32_t r0, int3
         mb_wide_store(&j->a, r0 + r, c0, outs, park + (size_t)r * MB_WIDE_OUTS);
 }
 
-MB_WIDE_INSTANCES(mb_lanes_run, struct mb_lanes_job, mb_lanes_item, MB_WIDE_TARGET)
+#define MB_LANES_ITEM(j, r0, rows, c0, outs, T) mb_lanes_item(j, r0, rows, c0, outs, T, NULL)
+#define MB_LANES_ITEM_VBMI(j, r0, rows, c0, outs, T) mb_lanes_item(j, r0, rows, c0, outs, T, mb_lanes_q8_vbmi)
+MB_WIDE_INSTANCES(mb_lanes_run, struct mb_lanes_job, MB_LANES_ITEM, MB_WIDE_TARGET)
+MB_WIDE_INSTANCE(mb_lanes_run_q8_0_vbmi, struct mb_lanes_job, MB_LANES_ITEM_VBMI, MB_LANES_TARGET_VBMI, MB_GGML_Q8_0)
 
 static void mb_lanes_worker(void *data) {
     struct mb_lanes_job *j = (struct mb_lanes_job *)data;
-    const mb_lanes_run_fn run = mb_lanes_run_pick(j->a.type);
+    const mb_lanes_run_fn run = j->run;
     for (;;) {
         int64_t first, take = mb_take_guided(&j->next, j->items, j->threads, &first);
         if (take == 0)
@@ -187,12 +249,18 @@ static MB_WIDE_TARGET void mb_lanes_xsums(const uint32_t *xp, int32_t k, int32_t
 
 int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
                       const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
-                      int32_t y_mode, int64_t ldy, void *parallel, int32_t threads) {
+                      int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
     struct mb_lanes_job j;
     memset(&j, 0, sizeof j);
     j.a = (struct mb_q_call){type, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode, ldy};
-    if (!mb_wide_call_ok(&j.a, &j.fmt) || !mb_lanes_supported())
+    if (!mb_wide_call_ok(&j.a, &j.fmt) || !mb_lanes_supported() ||
+        (kernel != MB_KERNEL_AVX512BF16 && kernel != MB_KERNEL_AVX512BF16_INT32))
         return MB_EINVAL;
+    /* Q8_0 through byte lookups where the CPU has VBMI, unless kernel asks for the int32
+     * route (mb_q_linear's choice, so that the tests run both here) */
+    j.run = type == MB_GGML_Q8_0 && kernel == MB_KERNEL_AVX512BF16 && mb_q_vbmi_widening() == 1
+                ? mb_lanes_run_q8_0_vbmi
+                : mb_lanes_run_pick(type);
     const int32_t blocks = (m + MB_LANES_R - 1) / MB_LANES_R;
     uint32_t *xp = NULL;
     float *sx = NULL;
@@ -221,6 +289,12 @@ int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
 
 int mb_lanes_supported(void) { return 0; }
 
-MB_WIDE_REFUSED(mb_q_linear_lanes)
+int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
+                      const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
+                      int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads) {
+    (void)type, (void)w, (void)row_bytes, (void)n, (void)k, (void)x, (void)ldx, (void)m, (void)bias;
+    (void)y, (void)y_mode, (void)ldy, (void)kernel, (void)parallel, (void)threads;
+    return MB_EINVAL;
+}
 
 #endif

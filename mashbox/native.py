@@ -777,8 +777,8 @@ def amx_supported() -> bool:
 def q_linear_tiles_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
                        bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
     """mb_q_linear_tiles on addresses (0 for no bias / no parallel pool); see csrc/mashbox.h."""
-    _prompt_ptr(_lib.mb_q_linear_tiles, "q_linear_tiles", qtype, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode,
-                ldy, parallel, threads)
+    _prompt_ptr(_lib.mb_q_linear_tiles, "q_linear_tiles", (), qtype, w, row_bytes, n, k, x, ldx, m, bias, y,
+                y_mode, ldy, parallel, threads)
 
 
 def lanes_supported() -> bool:
@@ -787,18 +787,19 @@ def lanes_supported() -> bool:
 
 
 def q_linear_lanes_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
-                       bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
-    """mb_q_linear_lanes on addresses, as q_linear_tiles_ptr's."""
-    _prompt_ptr(_lib.mb_q_linear_lanes, "q_linear_lanes", qtype, w, row_bytes, n, k, x, ldx, m, bias, y, y_mode,
-                ldy, parallel, threads)
+                       bias: int, y: int, y_mode: int, ldy: int, kernel: int, parallel: int, threads: int) -> None:
+    """mb_q_linear_lanes on addresses, as q_linear_tiles_ptr's; kernel KERNEL_AVX512BF16 (Q8_0
+    through byte lookups where the CPU has VBMI) or KERNEL_AVX512BF16_INT32 (through int32)."""
+    _prompt_ptr(_lib.mb_q_linear_lanes, "q_linear_lanes", (kernel,), qtype, w, row_bytes, n, k, x, ldx, m, bias, y,
+                y_mode, ldy, parallel, threads)
 
 
-def _prompt_ptr(fn, name: str, qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
-                bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
+def _prompt_ptr(fn, name: str, kernel: tuple, qtype: int, w: int, row_bytes: int, n: int, k: int, x: int,
+                ldx: int, m: int, bias: int, y: int, y_mode: int, ldy: int, parallel: int, threads: int) -> None:
     """One of the prompt rules' C entries (mb_q_linear_tiles, mb_q_linear_lanes: the same
-    arguments) on addresses."""
+    arguments, and the lanes' kernel: `kernel`, () for none) on addresses."""
     _check(fn(qtype, _ffi.cast("uint8_t *", w), row_bytes, n, k, _ffi.cast("uint16_t *", x), ldx, m,
-              _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy,
+              _ffi.cast("float *", bias), _ffi.cast("void *", y), y_mode, ldy, *kernel,
               _ffi.cast("void *", parallel), threads), name)
 
 
@@ -815,22 +816,25 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
                    threads: int = 1) -> np.ndarray:
     """native_ref.q_linear_tiles through the AMX kernel (where amx_supported(); else the
     reference): w uint8[n, row_bytes] blocks of any type q_linear takes, x uint16[m, k]."""
-    return _q_prompt(amx_supported(), native_ref.q_linear_tiles, q_linear_tiles_ptr, qtype, w, x, bias, y_f32,
+    return _q_prompt(amx_supported(), native_ref.q_linear_tiles, q_linear_tiles_ptr, (), qtype, w, x, bias, y_f32,
                      add_to, parallel, threads)
 
 
 def q_linear_lanes(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
                    y_f32: bool = False, add_to: np.ndarray | None = None, parallel: int = 0,
-                   threads: int = 1) -> np.ndarray:
+                   threads: int = 1, kernel: int = KERNEL_AVX512BF16) -> np.ndarray:
     """native_ref.q_linear_lanes through the vdpbf16ps lanes kernel (where
-    lanes_supported(); else the reference), as q_linear_tiles'."""
-    return _q_prompt(lanes_supported(), native_ref.q_linear_lanes, q_linear_lanes_ptr, qtype, w, x, bias, y_f32,
-                     add_to, parallel, threads)
+    lanes_supported(); else the reference), as q_linear_tiles'; kernel as
+    q_linear_lanes_ptr's."""
+    return _q_prompt(lanes_supported(), native_ref.q_linear_lanes, q_linear_lanes_ptr, (kernel,), qtype, w, x, bias,
+                     y_f32, add_to, parallel, threads)
 
 
-def _q_prompt(runs: bool, ref, ptr, qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None,
-              y_f32: bool, add_to: np.ndarray | None, parallel: int, threads: int) -> np.ndarray:
-    """A prompt rule on arrays: checked, then its kernel (ptr) where it runs, else ref."""
+def _q_prompt(runs: bool, ref, ptr, kernel: tuple, qtype: int, w: np.ndarray, x: np.ndarray,
+              bias: np.ndarray | None, y_f32: bool, add_to: np.ndarray | None, parallel: int,
+              threads: int) -> np.ndarray:
+    """A prompt rule on arrays: checked, then its kernel (ptr, with `kernel`'s arguments)
+    where it runs, else ref."""
     x = _array(x, np.uint16, "x", 2)
     w = _array(w, np.uint8, "w", 2)
     m, k = x.shape
@@ -843,5 +847,5 @@ def _q_prompt(runs: bool, ref, ptr, qtype: int, w: np.ndarray, x: np.ndarray, bi
         return ref(qtype, w, x, bias, y_f32, add_to)
     y, mode = _linear_y(add_to, y_f32, m, n)
     ptr(qtype, w.ctypes.data, row_bytes, n, k, x.ctypes.data, k, m,
-        0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, parallel, threads)
+        0 if bias is None else bias.ctypes.data, y.ctypes.data, mode, n, *kernel, parallel, threads)
     return y

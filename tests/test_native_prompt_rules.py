@@ -50,8 +50,8 @@ def _rows(rng: np.random.Generator, qtype: int, n: int, blocks: int) -> np.ndarr
 
 
 @st.composite
-def _problem(draw):
-    qtype = draw(st.sampled_from(TYPES))
+def _problem(draw, types=tuple(TYPES)):
+    qtype = draw(st.sampled_from(types))
     m, n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     blocks = draw(st.integers(1, 3 if BLOCK[qtype] == 256 else 20))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -124,5 +124,50 @@ def test_bad_shapes_are_refused_before_c(rule):
     w = _rows(np.random.default_rng(0), native.Q4_K, 4, 1)
     with pytest.raises(ValueError, match="w must be"):
         kernel(native.Q4_K, w, np.zeros((2, 128), np.uint16))
+    kernel_arg = (native.KERNEL_AVX512BF16,) if rule == "lanes" else ()
     with pytest.raises(ValueError, match=f"q_linear_{rule}"):  # C's own check: ldx < k
-        ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, 0, 1)
+        ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, *kernel_arg, 0, 1)
+
+
+# The lanes' two Q8_0 widenings: kernel KERNEL_AVX512BF16 takes the byte lookups where the
+# CPU has VBMI (native.q_vbmi_widening() == 1), KERNEL_AVX512BF16_INT32 the widening every
+# AVX512-BF16 CPU runs (csrc/widen.h's); the same bits, the reference's
+LANES_KERNELS = [native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX512BF16]
+lanes_only = pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 on this CPU")
+
+
+@lanes_only
+@pytest.mark.parametrize("kernel", LANES_KERNELS, ids=["int32", "avx512bf16"])
+@settings(max_examples=60, deadline=None)
+@given(problem=_problem(types=(native.Q8_0,)))
+def test_lanes_q8_0_routes_match_the_reference(kernel, problem):
+    """Odd outputs (a group's last 16 or fewer, some repeated), 1-20 blocks (a chunk's
+    end mid-chunk), 1-40 rows, every y mode."""
+    qtype, w, x, bias, y_f32, add_to = problem
+    want = native_ref.q_linear_lanes(qtype, w, x, bias, y_f32, add_to)
+    assert _same(native.q_linear_lanes(qtype, w, x, bias, y_f32, add_to, kernel=kernel), want)
+
+
+@lanes_only
+def test_lanes_q8_0_every_integer_widens_exactly():
+    """Each of the 256 integers (-128 included: the byte lookups' one corner) in every
+    position of a block and every output of a group of 32 (the byte transpose's places),
+    through both routes, on rows that fill two register blocks and one left over."""
+    q = np.arange(-128, 128, dtype=np.int8).reshape(8, 32)
+    rows = np.concatenate([np.roll(q, s, axis=1) for s in range(0, 32, 3)])  # [88, 32]: 2 groups and 24
+    rows = np.concatenate([rows, np.roll(rows, 7, axis=0)], axis=1)  # two blocks a row, other neighbours
+    n = rows.shape[0]
+    d = np.random.default_rng(3).uniform(0.25, 4, (n, 2, 1)).astype(np.float16).view(np.uint8)  # [n, 2, 2]
+    w = np.concatenate([d, rows.reshape(n, 2, 32).view(np.uint8)], axis=2).reshape(n, 2 * 34)
+    x = _x(np.random.default_rng(4), 17, 64)
+    want = native_ref.q_linear_lanes(native.Q8_0, w, x, y_f32=True)
+    for kernel in LANES_KERNELS:
+        assert _same(native.q_linear_lanes(native.Q8_0, w, x, y_f32=True, kernel=kernel), want), kernel
+
+
+@lanes_only
+def test_lanes_refuse_a_kernel_they_do_not_run():
+    w = _rows(np.random.default_rng(0), native.Q8_0, 4, 1)
+    for kernel in (native.KERNEL_PORTABLE, 0, 99):
+        with pytest.raises(ValueError, match="q_linear_lanes"):
+            native.q_linear_lanes(native.Q8_0, w, np.zeros((2, 32), np.uint16), kernel=kernel)

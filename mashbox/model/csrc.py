@@ -370,18 +370,23 @@ def q_linear(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias:
 
 
 def q_linear_tiles(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
-                   y: torch.Tensor, mode: int) -> None:
+                   y: torch.Tensor, mode: int, kernel: int) -> None:
     """q_linear's y by the tile rule on AMX tiles (csrc/amx.c): the prompt rows' kernel,
-    where native.amx_supported()."""
+    where native.amx_supported(). kernel: the decode rows' (q_linear's); the tiles widen
+    every block one way, whichever it is."""
     args = _q_call(qtype, w, n, k, x, bias, y, mode)
     if args:
         native.q_linear_tiles_ptr(*args, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
 
 
 def q_linear_lanes(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor, bias: Optional[torch.Tensor],
-                   y: torch.Tensor, mode: int) -> None:
+                   y: torch.Tensor, mode: int, kernel: int) -> None:
     """q_linear's y by the lanes rule on vdpbf16ps lanes (csrc/lanes.c): the prompt rows'
-    kernel where AMX tiles are missing, where native.lanes_supported()."""
+    kernel where AMX tiles are missing, where native.lanes_supported(). kernel: the decode
+    rows' (q_linear's): KERNEL_AVX512BF16_INT32 widens Q8_0 through int32 here too, any
+    other through byte lookups where the CPU has VBMI (the same bits either way)."""
     args = _q_call(qtype, w, n, k, x, bias, y, mode)
     if args:
-        native.q_linear_lanes_ptr(*args, _PARALLEL if _PARALLEL is not None else parallel(), torch.get_num_threads())
+        lanes = kernel if kernel == native.KERNEL_AVX512BF16_INT32 else native.KERNEL_AVX512BF16
+        native.q_linear_lanes_ptr(*args, lanes, _PARALLEL if _PARALLEL is not None else parallel(),
+                                  torch.get_num_threads())

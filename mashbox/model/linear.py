@@ -188,7 +188,8 @@ class QuantLinear:
             if t0 > at:
                 csrc.q_linear(self.qtype, self.blocks, self.n, self.k, x[at:t0], self.bias, y[at:t0], mode, self.kernel)
             if t1 > t0:
-                self.prompt_kernel(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode)
+                self.prompt_kernel(self.qtype, self.blocks, self.n, self.k, x[t0:t1], self.bias, y[t0:t1], mode,
+                                   self.kernel)
             at = t1
 
 
