@@ -41,7 +41,8 @@
  * item's rows). Two or more rows (a batched step, prefill): the item widens its 16
  * outputs' blocks, MB_Q_KC at a time, into a per-call stack scratch (L1 sized) and sweeps
  * all its rows over it (mb_q_many_rows: MB_Q_MR rows a sweep, MB_Q_MR_M for formats
- * with m, the rows left over one at a time), the accumulators parked between chunks in
+ * with m, the rows left over in one sweep of two where there are two and no m, else one
+ * at a time), the accumulators parked between chunks in
  * float32 (exact): the same arithmetic, in the same order per output, so the bits do not
  * depend on the path.
  */
@@ -452,6 +453,8 @@ MB_Q_INLINE void mb_q_many_rows(const struct mb_q_job *j, const struct mb_q_tabl
             else
                 mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, 0, MB_Q_MR);
         }
+        if (!has_m && rows - r == 2) /* two left: one sweep of two, the chunk read once more not twice */
+            mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, 0, 2), r += 2;
         for (; r < rows; r++)
             mb_q_sweep(&sc, kb, x + (size_t)r * j->a.ldx, j->a.ldx, park + 4 * r, b0 == 0, has_m, 1);
     }
