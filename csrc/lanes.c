@@ -34,8 +34,9 @@
  * outputs] (two 8 KB tiles, in L1; Q8_0 where the CPU has VBMI transposed as bytes first,
  * then widened by byte lookups straight into the tiles: mb_lanes_q8_vbmi), the next
  * chunk's blocks prefetched; then per block of 8 rows and sub-block, 16 accumulators (8
- * rows x 2 vectors of 16 outputs) run the sub-block's pairs and are folded into float32 accumulators parked [rows][32] with the
- * outputs' scale and min vectors. Threads: the caller's OpenMP pool, guided handout.
+ * rows x 2 vectors of 16 outputs) run the sub-block's pairs and are folded into float32
+ * accumulators parked [rows][32] with the outputs' scale and min vectors. Threads: the
+ * caller's OpenMP pool, guided handout.
  */
 #include "mashbox.h"
 #include "bf16.h"
