@@ -80,6 +80,7 @@ struct mb_kq_job {
     int32_t blocks;
     const uint16_t *xp; /* [m, k] x in the words' order (AVX-512 path), or NULL */
     const float *xs;    /* [m, ldxs] X32 (Q4_K, Q5_K) or X16 (Q6_K) */
+    const float *xw;    /* [m, k] x as the AVX2 path reads it (mb_kq2_prepare), or NULL */
     int64_t ldxs;
     int32_t tiles, groups;
     int64_t items;
@@ -472,6 +473,143 @@ static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int 
 #define MB_KQ_HAVE_AVX512 0
 #endif
 
+/* ---- AVX2 path: the rule with vdpbf16ps emulated by fused multiply-adds ----
+ *
+ * Lane l of group g sums four consecutive weights of one 32-weight chunk: lanes 0-7 the
+ * chunk mb_kq_slot gives for words 0-15, lanes 8-15 the one for words 16-31, lane
+ * l % 8 the chunk's weights 4 (l % 8) .. +3 in the order +2, +0, +3, +1 (E[2l+1], E[2l],
+ * O[2l+1], O[2l]). So one ymm holds a chunk's eight lanes; x goes in once per call as
+ * float32 (denormals zero) reordered per chunk to [+2 of each lane, +0, +3, +1], and a
+ * chunk's 32 integers, as bytes u << e in weight order, become the four word vectors by
+ * one pshufb each (the byte into bits 16-23 of a dword) and an or with 0x43000000: the
+ * float32 128 + u * 2^e, the rule's word W exactly. Each product is exact, so an fma is
+ * one of the rule's rounded adds; s * P and the A add round as the rule does. The same
+ * bits as the portable kernel where the rule's limits hold (the P sums are not flushed
+ * where they would be denormal). Two or more rows run the one-row loop per row. */
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define MB_KQ_HAVE_AVX2 1
+#include <immintrin.h>
+
+#define MB_KQ2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define MB_KQ2_INLINE static inline __attribute__((always_inline)) MB_KQ2_TARGET
+
+static const int mb_kq2_order[4] = {2, 0, 3, 1}; /* a lane's weights, in its chain's order */
+
+/* Row x as the AVX2 path reads it: per 32 x, [x[4i + order[p]] for i < 8] for p < 4. */
+static void mb_kq2_prepare(const uint16_t *x, int32_t k, float *xw) {
+    for (int32_t c = 0; c < k / 32; c++)
+        for (int p = 0; p < 4; p++)
+            for (int i = 0; i < 8; i++)
+                xw[32 * c + 8 * p + i] = mb_flush(mb_bf16_f32(x[32 * c + 4 * i + mb_kq2_order[p]]));
+}
+
+/* Block blk's eight chunks of 32 integers, u << e as bytes in weight order. */
+MB_KQ2_INLINE void mb_kq2_bytes(int32_t type, const uint8_t *blk, __m256i u[8]) {
+    const __m256i low = _mm256_set1_epi8(15);
+    if (type == MB_GGML_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const __m256i two = _mm256_set1_epi8(3);
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            for (int part = 0; part < 4; part++) {
+                __m256i lo = part & 1 ? l1 : l0;
+                lo = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(lo, 4) : lo, low);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * part), two);
+                __m256i v = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+                u[4 * h + part] = _mm256_slli_epi16(v, 1); /* e = 1 */
+            }
+        }
+        return;
+    }
+    const int q5 = type == MB_GGML_Q5_K;
+    const uint8_t *qs = blk + (q5 ? 48 : 16);
+    __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
+    for (int t = 0; t < 8; t++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t / 2)));
+        v = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+        if (q5) {
+            __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, t), _mm256_set1_epi8(1));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
+            u[t] = _mm256_slli_epi16(v, 2); /* e = 2 */
+        } else {
+            u[t] = _mm256_slli_epi16(v, 3); /* e = 3 */
+        }
+    }
+}
+
+static MB_KQ2_TARGET void mb_kq_run_avx2(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
+                                         int32_t c1) {
+    const int32_t type = j->a.type;
+    const int e = mb_kq_shift(type), q6 = type == MB_GGML_Q6_K;
+    const int64_t bb = mb_kq_block_bytes(type);
+    const float unshift = 1.0f / (float)(1 << e);
+    const __m256i word = _mm256_set1_epi32(0x43000000);
+    __m256i pick[4]; /* dword i of each 128-bit lane takes byte 4i + order[p] into bits 16-23 */
+    for (int p = 0; p < 4; p++) {
+        int o = mb_kq2_order[p];
+        pick[p] = _mm256_setr_epi8(-128, -128, (char)o, -128, -128, -128, (char)(4 + o), -128,
+                                   -128, -128, (char)(8 + o), -128, -128, -128, (char)(12 + o), -128,
+                                   -128, -128, (char)o, -128, -128, -128, (char)(4 + o), -128,
+                                   -128, -128, (char)(8 + o), -128, -128, -128, (char)(12 + o), -128);
+    }
+    for (int32_t c = c0; c < c1; c++)
+        for (int32_t r = r0; r < r0 + rows; r++) {
+            const float *xw = j->xw + (size_t)r * j->a.k;
+            const float *xs = j->xs + (size_t)r * j->ldxs;
+            __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            float N[16] = {0};
+            for (int32_t b = 0; b < j->blocks; b++) {
+                const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
+                __m256i u[8];
+                mb_kq2_bytes(type, blk, u);
+                float cf[16];
+                __m256 sv[8]; /* s of each chunk's lanes */
+                if (q6) {
+                    const int8_t *sc = (const int8_t *)(blk + 192);
+                    float d = mb_half(blk + 208);
+                    for (int g = 0; g < 16; g++)
+                        cf[g] = (d * (float)sc[g]) * 96.0f;
+                    for (int t = 0; t < 8; t++) {
+                        __m128 lo = _mm_set1_ps((d * (float)sc[2 * t]) * unshift);
+                        __m128 hi = _mm_set1_ps((d * (float)sc[2 * t + 1]) * unshift);
+                        sv[t] = _mm256_set_m128(hi, lo);
+                    }
+                } else {
+                    float dsc[8], dmn[8];
+                    mb_kq_scales(blk, dsc, dmn);
+                    const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
+                    for (int t = 0; t < 8; t++) {
+                        cf[t] = dsc[t] * offset + dmn[t];
+                        sv[t] = _mm256_set1_ps(dsc[t] * unshift);
+                    }
+                }
+                const float *xb = xw + (size_t)b * MB_QK;
+                for (int g = 0; g < 4; g++)
+                    for (int half = 0; half < 2; half++) {
+                        int ch = q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half;
+                        const float *xc = xb + 32 * ch;
+                        __m256 P = _mm256_setzero_ps();
+                        for (int p = 0; p < 4; p++) {
+                            __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
+                            P = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 8 * p), W, P);
+                        }
+                        A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
+                    }
+                for (int g = 0; g < (q6 ? 16 : 8); g++)
+                    N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
+            }
+            float lanes[16];
+            _mm256_storeu_ps(lanes, A[0]);
+            _mm256_storeu_ps(lanes + 8, A[1]);
+            mb_y_store(&j->a, r, c, mb_sum16(lanes) - (q6 ? mb_sum16(N) : mb_sum8(N)));
+        }
+}
+#else
+#define MB_KQ_HAVE_AVX2 0
+#endif
+
 /* Guided handout, as csrc/linear.c's mb_worker: runs of remaining / (2 * threads) items;
  * item i is tile i / groups, row group i % groups. */
 static void mb_kq_worker(void *data) {
@@ -507,6 +645,10 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
         j.run = type == MB_GGML_Q4_K ? mb_kq_run_q4k : type == MB_GGML_Q5_K ? mb_kq_run_q5k : mb_kq_run_q6k, avx = 1;
 #endif
+#if MB_KQ_HAVE_AVX2
+    else if (kernel == MB_KERNEL_AVX2 && mb_avx2_supported())
+        j.run = mb_kq_run_avx2, avx = 2;
+#endif
     else
         return MB_EINVAL;
     /* The per-call x work (the sums, the permuted copy): m * (k/16 floats + k words), made
@@ -514,15 +656,19 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
      * a few KB to a few hundred KB against a call that reads megabytes of weights. */
     const int q6 = type == MB_GGML_Q6_K;
     j.ldxs = q6 ? k / 16 : k / 32;
-    size_t xs_bytes = (size_t)m * j.ldxs * sizeof(float), xp_bytes = avx ? (size_t)m * k * 2 : 0;
+    size_t xs_bytes = (size_t)m * j.ldxs * sizeof(float), xp_bytes = avx == 1 ? (size_t)m * k * 2 : avx == 2 ? (size_t)m * k * 4 : 0;
     void *scratch = malloc(xs_bytes + xp_bytes + 64);
     if (scratch == NULL)
         return MB_ESCRATCH;
     float *xs = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     uint16_t *xp = (uint16_t *)(xs + (size_t)m * j.ldxs);
     for (int32_t r = 0; r < m; r++) {
+#if MB_KQ_HAVE_AVX2
+        if (avx == 2)
+            mb_kq2_prepare(x + (size_t)r * ldx, k, (float *)xp + (size_t)r * k);
+#endif
 #if MB_KQ_HAVE_AVX512
-        if (avx) {
+        if (avx == 1) {
             mb_kq_xsums_avx512(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
             mb_kq_permute_avx512(x + (size_t)r * ldx, k, q6, xp + (size_t)r * k);
             continue;
@@ -530,7 +676,7 @@ int mb_kq_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, i
 #endif
         mb_kq_xsums(x + (size_t)r * ldx, k, q6, xs + (size_t)r * j.ldxs);
     }
-    j.xs = xs, j.xp = avx ? xp : NULL;
+    j.xs = xs, j.xp = avx == 1 ? xp : NULL, j.xw = avx == 2 ? (const float *)xp : NULL;
     j.tiles = (n + MB_KQ_TILE - 1) / MB_KQ_TILE;
     j.groups = (m + MB_KQ_ROWS - 1) / MB_KQ_ROWS;
     j.items = (int64_t)j.tiles * j.groups;

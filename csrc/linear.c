@@ -196,15 +196,109 @@ static int mb_has_avx512bf16(void) {
 #define MB_HAVE_AVX512BF16 0
 #endif
 
-int32_t mb_bf16_kernel(void) {
-#if MB_HAVE_AVX512BF16
-    static int cached = -1; /* a CPU feature: the same answer on every call */
-    if (cached < 0)
-        cached = mb_has_avx512bf16() ? MB_KERNEL_AVX512BF16 : MB_KERNEL_PORTABLE;
+/* ---- AVX2 path: vdpbf16ps emulated ----
+ *
+ * A packed pair word (w[2p] its low half, w[2p+1] its high half) is two float32 without
+ * arithmetic: the odd element is the word with its low half cleared, the even one the
+ * word shifted up 16 bits; x's pair likewise. Their products are exact, so a fused
+ * multiply-add makes each of the rule's adds with its one rounding, odd first. DAZ and
+ * FTZ, set in MXCSR while a tile accumulates (and restored before its stores), read
+ * denormal inputs as zero and flush denormal sums as vdpbf16ps does. */
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define MB_HAVE_AVX2 1
+#include <immintrin.h>
+
+#define MB_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define MB_AVX2_VECS (MB_TILE / 8) /* 8 outputs per float32 ymm: 6 a tile */
+#define MB_AVX2_MR 2               /* rows per sweep: 12 accumulators of 16 ymm */
+#define MB_MXCSR_DAZ_FTZ 0x8040u
+
+/* MR rows x one tile, as mb_tile_avx512; MR a constant in each instantiation. */
+static inline __attribute__((always_inline)) MB_TARGET_AVX2 void
+mb_tile_avx2(const struct mb_job *j, int32_t m0, int32_t t, const int MR) {
+    int32_t pairs = j->k / 2;
+    const uint16_t *wt = j->packed + (size_t)t * pairs * MB_TILE * 2;
+    const uint16_t *x = j->x + (size_t)m0 * j->ldx;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[MB_AVX2_MR][MB_AVX2_VECS];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < MB_AVX2_VECS; v++)
+            acc[r][v] = _mm256_setzero_ps();
+    unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | MB_MXCSR_DAZ_FTZ);
+    for (int32_t p = 0; p < pairs; p++) {
+        const uint16_t *w = wt + (size_t)p * MB_TILE * 2;
+        __m256 xo[MB_AVX2_MR], xe[MB_AVX2_MR];
+        for (int r = 0; r < MR; r++) {
+            int32_t pair;
+            memcpy(&pair, x + (size_t)r * j->ldx + 2 * p, 4);
+            __m256i xb = _mm256_set1_epi32(pair);
+            xo[r] = _mm256_castsi256_ps(_mm256_and_si256(xb, high));
+            xe[r] = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+        }
+        for (int v = 0; v < MB_AVX2_VECS; v++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + 16 * v));
+            __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, high));
+            __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+            for (int r = 0; r < MR; r++) {
+                acc[r][v] = _mm256_fmadd_ps(xo[r], wo, acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(xe[r], we, acc[r][v]);
+            }
+        }
+    }
+    _mm_setcsr(csr);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < MB_AVX2_VECS; v++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r][v]);
+            for (int i = 0; i < 8; i++) {
+                int32_t col = t * MB_TILE + v * 8 + i;
+                if (col < j->n)
+                    mb_y_store_at(j->y, j->y_mode, j->ldy, j->bias, m0 + r, col, out[i]);
+            }
+        }
+}
+
+static MB_TARGET_AVX2 void mb_run_avx2(const struct mb_job *j, int32_t m0, int32_t rows, int32_t t) {
+    int32_t r = 0;
+    for (; r + MB_AVX2_MR <= rows; r += MB_AVX2_MR)
+        mb_tile_avx2(j, m0 + r, t, MB_AVX2_MR);
+    if (r < rows)
+        mb_tile_avx2(j, m0 + r, t, 1);
+}
+
+#else
+#define MB_HAVE_AVX2 0
+#endif
+
+int mb_avx2_supported(void) {
+#if MB_HAVE_AVX2
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("f16c");
+    }
     return cached;
 #else
-    return MB_KERNEL_PORTABLE;
+    return 0;
 #endif
+}
+
+int32_t mb_bf16_kernel(void) {
+    static int cached = -1; /* a CPU feature: the same answer on every call */
+    if (cached < 0) {
+        cached = MB_KERNEL_PORTABLE;
+#if MB_HAVE_AVX512BF16
+        if (mb_has_avx512bf16())
+            cached = MB_KERNEL_AVX512BF16;
+#endif
+#if MB_HAVE_AVX2
+        if (cached == MB_KERNEL_PORTABLE && mb_avx2_supported())
+            cached = MB_KERNEL_AVX2;
+#endif
+    }
+    return cached;
 }
 
 /* Guided handout: each take is a contiguous run of remaining / (2 * threads) items, so a
@@ -242,6 +336,10 @@ int mb_bf16_linear(const uint16_t *x, int64_t ldx, int32_t m, const uint16_t *pa
 #if MB_HAVE_AVX512BF16
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
         j.run = mb_run_avx512;
+#endif
+#if MB_HAVE_AVX2
+    else if (kernel == MB_KERNEL_AVX2 && mb_avx2_supported())
+        j.run = mb_run_avx2;
 #endif
     else
         return MB_EINVAL;

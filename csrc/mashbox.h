@@ -102,9 +102,17 @@ int mb_longest_prefix(const uint64_t *query, int32_t n_query, const uint64_t *ta
 /* mb_q_linear's legacy types only: AVX512BF16 with Q8_0 widened through int32 and float32,
  * as on CPUs without AVX512-FP16 (where AVX512BF16 is this one); the same bits */
 #define MB_KERNEL_AVX512BF16_INT32 3
+/* AVX2 and FMA (and F16C): the linears (mb_bf16_linear, mb_q_linear) emulate vdpbf16ps
+ * with exact float32 products and fused adds, the same bits as the portable kernel where
+ * the rule's limits hold (products and sums in float32's normal range); every other call
+ * that takes a kernel runs its portable path for it */
+#define MB_KERNEL_AVX2 4
 
-/* The fastest kernel this CPU runs. */
+/* The fastest kernel this CPU runs: AVX512BF16, else AVX2, else PORTABLE. */
 int32_t mb_bf16_kernel(void);
+
+/* 1 when MB_KERNEL_AVX2 runs here (AVX2, FMA and F16C; AVX-512 CPUs too), else 0. */
+int mb_avx2_supported(void);
 
 /* Bytes of a [n, k] weight's packed form (0 when k is odd or a size is < 1). */
 size_t mb_bf16_packed_bytes(int32_t n, int32_t k);

@@ -51,6 +51,7 @@
 #include "ggml_blocks.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MB_Q_BLOCK 32
@@ -122,6 +123,8 @@ struct mb_q_job {
     int64_t items;
     int64_t next;
     int64_t threads;
+    const float *xw; /* [m, ldxw] x widened for the AVX2 path (mb_q2_prepare), or NULL */
+    int64_t ldxw;
     void (*run)(const struct mb_q_job *, int32_t r0, int32_t rows, int32_t c0, int32_t outs);
 };
 
@@ -495,6 +498,144 @@ static mb_q_run_fn mb_q_run_q8_0_for(int32_t kernel) {
 #define MB_Q_AVX512 0
 #endif
 
+/* ---- AVX2 path: the rule with vdpbf16ps emulated by fused multiply-adds ----
+ *
+ * One ymm holds two outputs' four lanes ([A l0..3 | B l0..3]). x goes in once per call,
+ * widened to float32 in the caller's thread (denormals zero) and reordered per block and
+ * step s to [x[8s+1], x[8s+3], x[8s+5], x[8s+7] | x[8s], x[8s+2], x[8s+4], x[8s+6]], the
+ * odd and even elements of the step's four pairs, each half one 128-bit broadcast; for
+ * formats with m the block's four lane sums S (the rule's chain, which depends on x alone)
+ * follow the row. A block's integers become bytes (two outputs' 16 of a half-block side
+ * by side in one ymm), then one pshufb per step and parity puts four of them, per output,
+ * in the top byte of a dword (q * 2^24, exact) and vcvtdq2ps makes them float32; the
+ * products with x are exact, so each fma is one of the rule's rounded adds, odd before
+ * even. The per-block fma takes d * 2^-24 (exact), so t * d is the rule's product. The
+ * same bits as the portable kernel where the rule's limits hold (the sums in float32's
+ * normal range: t is held 2^24 larger, so where it would be denormal it is not flushed).
+ * Two or more rows run the one-row loop per row, the weights re-read from cache. */
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#define MB_Q_AVX2 1
+#include <immintrin.h>
+
+#define MB_Q2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define MB_Q2_INLINE static inline __attribute__((always_inline)) MB_Q2_TARGET
+
+/* Row r's x work: k floats in the steps' order, then (formats with m) k / 8 lane sums. */
+static int64_t mb_q2_ldxw(int32_t k, int has_m) { return (int64_t)k + (has_m ? k / 8 : 0); }
+
+static void mb_q2_prepare(const uint16_t *x, int32_t k, int has_m, float *xw) {
+    float *sums = xw + k;
+    for (int32_t b = 0; b < k / MB_Q_BLOCK; b++) {
+        const uint16_t *xb = x + (size_t)b * MB_Q_BLOCK;
+        float *o = xw + (size_t)b * MB_Q_BLOCK;
+        for (int st = 0; st < MB_Q_STEPS; st++)
+            for (int l = 0; l < MB_Q_LANES; l++) {
+                o[8 * st + l] = mb_flush(mb_bf16_f32(xb[8 * st + 2 * l + 1]));
+                o[8 * st + 4 + l] = mb_flush(mb_bf16_f32(xb[8 * st + 2 * l]));
+            }
+        if (has_m)
+            for (int l = 0; l < MB_Q_LANES; l++) {
+                float sum = 0.0f;
+                for (int st = 0; st < MB_Q_STEPS; st++)
+                    sum = mb_flush(mb_flush(sum + o[8 * st + l]) + o[8 * st + 4 + l]);
+                sums[4 * b + l] = sum;
+            }
+    }
+}
+
+/* Two outputs' block (a, b) as bytes: h[0] = [a q0..15 | b q0..15], h[1] the q16..31. */
+MB_Q2_INLINE void mb_q2_bytes(int32_t type, const uint8_t *a, const uint8_t *b, __m256i h[2]) {
+    if (type == MB_GGML_Q8_0) {
+        h[0] = _mm256_loadu2_m128i((const __m128i *)(b + 2), (const __m128i *)(a + 2));
+        h[1] = _mm256_loadu2_m128i((const __m128i *)(b + 18), (const __m128i *)(a + 18));
+        return;
+    }
+    const int qs = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256i v = _mm256_loadu2_m128i((const __m128i *)(b + qs), (const __m128i *)(a + qs));
+    h[0] = _mm256_and_si256(v, low);
+    h[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if (type == MB_GGML_Q5_0 || type == MB_GGML_Q5_1) { /* element e's fifth bit: bit e of qh */
+        int qh = type == MB_GGML_Q5_0 ? 2 : 4;
+        uint32_t ha, hb;
+        memcpy(&ha, a + qh, 4), memcpy(&hb, b + qh, 4);
+        __m256i bits = _mm256_setr_epi32((int)ha, 0, 0, 0, (int)hb, 0, 0, 0);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull), five = _mm256_set1_epi8(16);
+        for (int i = 0; i < 2; i++) { /* byte j of h[i] takes qh byte 2i + j / 8 */
+            __m256i spread = _mm256_shuffle_epi8(bits, _mm256_setr_epi64x(
+                0x0101010101010101ll * (2 * i), 0x0101010101010101ll * (2 * i + 1),
+                0x0101010101010101ll * (2 * i), 0x0101010101010101ll * (2 * i + 1)));
+            __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+            h[i] = _mm256_or_si256(h[i], _mm256_and_si256(set, five));
+        }
+    }
+    if (type == MB_GGML_Q4_0 || type == MB_GGML_Q5_0) {
+        const __m256i off = _mm256_set1_epi8(type == MB_GGML_Q4_0 ? 8 : 16);
+        h[0] = _mm256_sub_epi8(h[0], off);
+        h[1] = _mm256_sub_epi8(h[1], off);
+    }
+}
+
+/* Outputs a and b (b may be a again) of one row, blocks in order: the lanes' sums
+ * [A l0..3 | B l0..3]. */
+MB_Q2_INLINE __m256 mb_q2_pair(int32_t type, int has_m, const uint8_t *a, const uint8_t *b, int32_t bytes,
+                               int32_t blocks, const float *xw, const float *sums) {
+    /* dword i of step s (s % 2 in a half-block) takes the byte of element 8s + 2i + 1 (odd)
+     * or 8s + 2i (even) into its top byte */
+    const __m256i odd0 = _mm256_set1_epi64x((long long)0x0380808001808080ull),
+                  odd0h = _mm256_set1_epi64x((long long)0x0780808005808080ull);
+    const __m256i m_odd[2] = {_mm256_unpacklo_epi64(odd0, odd0h),
+                              _mm256_add_epi8(_mm256_unpacklo_epi64(odd0, odd0h), _mm256_set1_epi32(0x08000000))};
+    const __m256i m_even[2] = {_mm256_sub_epi8(m_odd[0], _mm256_set1_epi32(0x01000000)),
+                               _mm256_sub_epi8(m_odd[1], _mm256_set1_epi32(0x01000000))};
+    const __m256 unscale = _mm256_set1_ps(0x1p-24f);
+    __m256 acc = _mm256_setzero_ps();
+    for (int32_t blk = 0; blk < blocks; blk++) {
+        const uint8_t *pa = a + (size_t)blk * bytes, *pb = b + (size_t)blk * bytes;
+        __m256i h[2];
+        mb_q2_bytes(type, pa, pb, h);
+        const float *xs = xw + (size_t)blk * MB_Q_BLOCK;
+        __m256 t = _mm256_setzero_ps();
+        for (int st = 0; st < MB_Q_STEPS; st++) {
+            __m256 wo = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], m_odd[st % 2]));
+            __m256 we = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], m_even[st % 2]));
+            t = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(xs + 8 * st)), wo, t);
+            t = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(xs + 8 * st + 4)), we, t);
+        }
+        __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)(pa[0] | pa[1] << 8), (short)(pb[0] | pb[1] << 8),
+                                                (short)(pa[2] | pa[3] << 8), (short)(pb[2] | pb[3] << 8),
+                                                0, 0, 0, 0));
+        __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm),
+                                                          _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), unscale);
+        acc = _mm256_fmadd_ps(t, d, acc);
+        if (has_m) {
+            __m256 m = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+            acc = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(sums + 4 * blk)), m, acc);
+        }
+    }
+    return acc;
+}
+
+static MB_Q2_TARGET void mb_q_run_avx2(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs) {
+    const int32_t type = j->a.type, bytes = j->fmt.bytes, blocks = j->a.k / MB_Q_BLOCK;
+    const int has_m = j->fmt.has_m;
+    for (int32_t r = r0; r < r0 + rows; r++) {
+        const float *xw = j->xw + (size_t)r * j->ldxw;
+        for (int32_t c = c0; c < c0 + outs; c += 2) {
+            int32_t c2 = c + 1 < c0 + outs ? c + 1 : c;
+            const uint8_t *a = j->a.w + (size_t)c * j->a.row_bytes, *b = j->a.w + (size_t)c2 * j->a.row_bytes;
+            float lanes[8];
+            _mm256_storeu_ps(lanes, mb_q2_pair(type, has_m, a, b, bytes, blocks, xw, xw + j->a.k));
+            mb_y_store(&j->a, r, c, (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]));
+            if (c2 != c)
+                mb_y_store(&j->a, r, c2, (lanes[4] + lanes[6]) + (lanes[5] + lanes[7]));
+        }
+    }
+}
+#else
+#define MB_Q_AVX2 0
+#endif
+
 int mb_q_vbmi_widening(void) {
 #if MB_Q_AVX512
     static int vbmi = -1; /* CPUID, read once (a benign race: every thread reads the same) */
@@ -555,11 +696,31 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
         j.run = type == MB_GGML_Q8_0 ? mb_q_run_q8_0_for(kernel) : type == MB_GGML_Q4_0 ? mb_q_run_q4_0
                 : type == MB_GGML_Q4_1 ? mb_q_run_q4_1 : type == MB_GGML_Q5_0 ? mb_q_run_q5_0 : mb_q_run_q5_1;
 #endif
+#if MB_Q_AVX2
+    else if (kernel == MB_KERNEL_AVX2 && mb_avx2_supported())
+        j.run = mb_q_run_avx2;
+#endif
     else
         return MB_EINVAL;
     j.groups = (n + MB_Q_OUTS - 1) / MB_Q_OUTS;
     j.chunks = (m + MB_Q_ROWS - 1) / MB_Q_ROWS;
     j.items = (int64_t)j.groups * j.chunks;
+    void *scratch = NULL;
+#if MB_Q_AVX2
+    if (j.run == mb_q_run_avx2) {
+        /* x widened once per call for all outputs: m * (k + k/8) floats, allocated per call
+         * as csrc/kquant.c's x work is (the caller hands no scratch) */
+        j.ldxw = mb_q2_ldxw(k, j.fmt.has_m);
+        scratch = malloc((size_t)m * j.ldxw * sizeof(float) + 32);
+        if (scratch == NULL)
+            return MB_ESCRATCH;
+        float *xw = (float *)(((uintptr_t)scratch + 31) & ~(uintptr_t)31);
+        for (int32_t r = 0; r < m; r++)
+            mb_q2_prepare(x + (size_t)r * ldx, k, j.fmt.has_m, xw + (size_t)r * j.ldxw);
+        j.xw = xw;
+    }
+#endif
     mb_run_guided(mb_q_worker, &j, &j.threads, j.items, parallel, threads);
+    free(scratch);
     return MB_OK;
 }

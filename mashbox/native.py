@@ -325,12 +325,20 @@ def longest_prefix(
 KERNEL_PORTABLE, KERNEL_AVX512BF16 = 1, 2
 # q_linear's legacy types only: KERNEL_AVX512BF16 as CPUs without AVX512-VBMI run Q8_0 (the same bits)
 KERNEL_AVX512BF16_INT32 = 3
+# AVX2 + FMA: the linears (bf16_linear, q_linear) emulate vdpbf16ps with fused adds (the same
+# bits where the rule's limits hold); the other kernel-taking calls run their portable path
+KERNEL_AVX2 = 4
 Y_BF16, Y_F32, Y_ADD_BF16 = 0, 1, 2  # what bf16_linear_ptr writes to y (csrc/mashbox.h)
 
 
 def bf16_kernel() -> int:
     """The fastest bf16 linear kernel this CPU runs (KERNEL_*); 0 without the extension."""
     return int(_lib.mb_bf16_kernel()) if _lib is not None else 0
+
+
+def avx2_supported() -> bool:
+    """KERNEL_AVX2 runs on this CPU (AVX2, FMA, F16C; AVX-512 CPUs too)."""
+    return _lib is not None and bool(_lib.mb_avx2_supported())
 
 
 def bf16_packed_bytes(n: int, k: int) -> int:

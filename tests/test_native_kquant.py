@@ -16,8 +16,9 @@ from mashbox.model import csrc, linear
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 TYPES = [Q4_K, Q5_K, Q6_K]
 TYPE_IDS = ["q4_k", "q5_k", "q6_k"]
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+KERNELS, KERNEL_IDS = map(list, zip(*[(native.KERNEL_PORTABLE, "portable")]
+                                     + ([(native.KERNEL_AVX512BF16, "avx512bf16")] if linear.bf16_kernel_available() else [])
+                                     + ([(native.KERNEL_AVX2, "avx2")] if native.avx2_supported() else [])))
 BLOCK = native_ref.KQ_BLOCK
 
 

@@ -12,8 +12,9 @@ from hypothesis.extra import numpy as hnp
 from mashbox import native, native_ref
 from mashbox.model import linear, row_ops
 
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+KERNELS, KERNEL_IDS = map(list, zip(*[(native.KERNEL_PORTABLE, "portable")]
+                                     + ([(native.KERNEL_AVX512BF16, "avx512bf16")] if linear.bf16_kernel_available() else [])
+                                     + ([(native.KERNEL_AVX2, "avx2")] if native.avx2_supported() else [])))
 
 
 def _bf16(a) -> np.ndarray:

@@ -17,9 +17,11 @@ gguf = pytest.importorskip("gguf")
 
 # avx512bf16 widens Q8_0 through byte lookups where the CPU has AVX512-VBMI; avx512bf16-int32
 # is what the CPUs without it run; the last is the fastest here
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX512BF16]
-                                      if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512bf16-int32", "avx512bf16"][:len(KERNELS)]
+KERNELS, KERNEL_IDS = map(list, zip(*[(native.KERNEL_PORTABLE, "portable")]
+                                     + ([(native.KERNEL_AVX512BF16_INT32, "avx512bf16-int32"),
+                                         (native.KERNEL_AVX512BF16, "avx512bf16")]
+                                        if linear.bf16_kernel_available() else [])
+                                     + ([(native.KERNEL_AVX2, "avx2")] if native.avx2_supported() else [])))
 TYPES = list(native.Q_LEGACY)
 TYPE_IDS = [gguf.GGMLQuantizationType(t).name for t in TYPES]
 
