@@ -576,10 +576,13 @@ MB_Q2_INLINE void mb_q2_bytes(int32_t type, const uint8_t *a, const uint8_t *b, 
     }
 }
 
-/* Outputs a and b (b may be a again) of one row, blocks in order: the lanes' sums
- * [A l0..3 | B l0..3]. */
-MB_Q2_INLINE __m256 mb_q2_pair(int32_t type, int has_m, const uint8_t *a, const uint8_t *b, int32_t bytes,
-                               int32_t blocks, const float *xw, const float *sums) {
+/* NP pairs of outputs (a[i], b[i]; b[i] may be a[i] again) of one row, blocks in order:
+ * each pair's lane sums [A l0..3 | B l0..3] into out[i]. The pairs run side by side
+ * because each one's t is a chain of eight dependent fmas a block (NP = 4 hides their
+ * latency); type, has_m and NP are constants in each instantiation. */
+MB_Q2_INLINE void mb_q2_pairs(const int32_t type, const int has_m, const int NP, const uint8_t *const a[4],
+                              const uint8_t *const b[4], int32_t bytes, int32_t blocks, const float *xw,
+                              const float *sums, __m256 out[4]) {
     /* dword i of step s (s % 2 in a half-block) takes the byte of element 8s + 2i + 1 (odd)
      * or 8s + 2i (even) into its top byte */
     const __m256i odd0 = _mm256_set1_epi64x((long long)0x0380808001808080ull),
@@ -589,49 +592,84 @@ MB_Q2_INLINE __m256 mb_q2_pair(int32_t type, int has_m, const uint8_t *a, const 
     const __m256i m_even[2] = {_mm256_sub_epi8(m_odd[0], _mm256_set1_epi32(0x01000000)),
                                _mm256_sub_epi8(m_odd[1], _mm256_set1_epi32(0x01000000))};
     const __m256 unscale = _mm256_set1_ps(0x1p-24f);
-    __m256 acc = _mm256_setzero_ps();
+    const __m256i dsel = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), msel = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    __m256 acc[4];
+    for (int i = 0; i < NP; i++)
+        acc[i] = _mm256_setzero_ps();
     for (int32_t blk = 0; blk < blocks; blk++) {
-        const uint8_t *pa = a + (size_t)blk * bytes, *pb = b + (size_t)blk * bytes;
-        __m256i h[2];
-        mb_q2_bytes(type, pa, pb, h);
         const float *xs = xw + (size_t)blk * MB_Q_BLOCK;
-        __m256 t = _mm256_setzero_ps();
-        for (int st = 0; st < MB_Q_STEPS; st++) {
-            __m256 wo = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], m_odd[st % 2]));
-            __m256 we = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], m_even[st % 2]));
-            t = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(xs + 8 * st)), wo, t);
-            t = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(xs + 8 * st + 4)), we, t);
+        __m256i h[4][2];
+        __m256 t[4];
+        for (int i = 0; i < NP; i++) {
+            mb_q2_bytes(type, a[i] + (size_t)blk * bytes, b[i] + (size_t)blk * bytes, h[i]);
+            t[i] = _mm256_setzero_ps();
         }
-        __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)(pa[0] | pa[1] << 8), (short)(pb[0] | pb[1] << 8),
-                                                (short)(pa[2] | pa[3] << 8), (short)(pb[2] | pb[3] << 8),
-                                                0, 0, 0, 0));
-        __m256 d = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm),
-                                                          _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), unscale);
-        acc = _mm256_fmadd_ps(t, d, acc);
-        if (has_m) {
-            __m256 m = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
-            acc = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(sums + 4 * blk)), m, acc);
+        for (int st = 0; st < MB_Q_STEPS; st++) {
+            __m256 xo = _mm256_broadcast_ps((const __m128 *)(xs + 8 * st));
+            __m256 xe = _mm256_broadcast_ps((const __m128 *)(xs + 8 * st + 4));
+            for (int i = 0; i < NP; i++)
+                t[i] = _mm256_fmadd_ps(xo, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], m_odd[st % 2])), t[i]);
+            for (int i = 0; i < NP; i++)
+                t[i] = _mm256_fmadd_ps(xe, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], m_even[st % 2])), t[i]);
+        }
+        for (int i = 0; i < NP; i++) {
+            const uint8_t *pa = a[i] + (size_t)blk * bytes, *pb = b[i] + (size_t)blk * bytes;
+            uint16_t ha[2], hb[2];
+            memcpy(ha, pa, 4), memcpy(hb, pb, 4);
+            __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)ha[0], (short)hb[0], (short)ha[1], (short)hb[1], 0, 0, 0, 0));
+            __m256 dm8 = _mm256_castps128_ps256(dm);
+            acc[i] = _mm256_fmadd_ps(t[i], _mm256_mul_ps(_mm256_permutevar8x32_ps(dm8, dsel), unscale), acc[i]);
+            if (has_m)
+                acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(sums + 4 * blk)),
+                                         _mm256_permutevar8x32_ps(dm8, msel), acc[i]);
         }
     }
-    return acc;
+    for (int i = 0; i < NP; i++)
+        out[i] = acc[i];
 }
 
-static MB_Q2_TARGET void mb_q_run_avx2(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0, int32_t outs) {
-    const int32_t type = j->a.type, bytes = j->fmt.bytes, blocks = j->a.k / MB_Q_BLOCK;
-    const int has_m = j->fmt.has_m;
+/* One item by rows, outputs in runs of up to 8 (4 pairs). */
+MB_Q2_INLINE void mb_q2_item(const struct mb_q_job *j, const int32_t type, const int has_m, int32_t r0,
+                             int32_t rows, int32_t c0, int32_t outs) {
+    const int32_t bytes = j->fmt.bytes, blocks = j->a.k / MB_Q_BLOCK;
     for (int32_t r = r0; r < r0 + rows; r++) {
         const float *xw = j->xw + (size_t)r * j->ldxw;
-        for (int32_t c = c0; c < c0 + outs; c += 2) {
-            int32_t c2 = c + 1 < c0 + outs ? c + 1 : c;
-            const uint8_t *a = j->a.w + (size_t)c * j->a.row_bytes, *b = j->a.w + (size_t)c2 * j->a.row_bytes;
-            float lanes[8];
-            _mm256_storeu_ps(lanes, mb_q2_pair(type, has_m, a, b, bytes, blocks, xw, xw + j->a.k));
-            mb_y_store(&j->a, r, c, (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]));
-            if (c2 != c)
-                mb_y_store(&j->a, r, c2, (lanes[4] + lanes[6]) + (lanes[5] + lanes[7]));
+        for (int32_t c = c0; c < c0 + outs; c += 8) {
+            int32_t left = c0 + outs - c < 8 ? c0 + outs - c : 8, np = (left + 1) / 2;
+            const uint8_t *a[4], *b[4];
+            for (int i = 0; i < np; i++) {
+                a[i] = j->a.w + (size_t)(c + 2 * i) * j->a.row_bytes;
+                b[i] = 2 * i + 1 < left ? a[i] + j->a.row_bytes : a[i];
+            }
+            __m256 sums[4];
+            const float *xm = xw + j->a.k;
+            switch (np) {
+            case 4: mb_q2_pairs(type, has_m, 4, a, b, bytes, blocks, xw, xm, sums); break;
+            case 3: mb_q2_pairs(type, has_m, 3, a, b, bytes, blocks, xw, xm, sums); break;
+            case 2: mb_q2_pairs(type, has_m, 2, a, b, bytes, blocks, xw, xm, sums); break;
+            default: mb_q2_pairs(type, has_m, 1, a, b, bytes, blocks, xw, xm, sums); break;
+            }
+            for (int i = 0; i < np; i++) {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, sums[i]);
+                mb_y_store(&j->a, r, c + 2 * i, (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]));
+                if (2 * i + 1 < left)
+                    mb_y_store(&j->a, r, c + 2 * i + 1, (lanes[4] + lanes[6]) + (lanes[5] + lanes[7]));
+            }
         }
     }
 }
+
+#define MB_Q2_RUN(name, TYPE, HAS_M)                                                                     \
+    static MB_Q2_TARGET void name(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0,        \
+                                  int32_t outs) {                                                        \
+        mb_q2_item(j, TYPE, HAS_M, r0, rows, c0, outs);                                                  \
+    }
+MB_Q2_RUN(mb_q_run_avx2_q8_0, MB_GGML_Q8_0, 0)
+MB_Q2_RUN(mb_q_run_avx2_q4_0, MB_GGML_Q4_0, 0)
+MB_Q2_RUN(mb_q_run_avx2_q4_1, MB_GGML_Q4_1, 1)
+MB_Q2_RUN(mb_q_run_avx2_q5_0, MB_GGML_Q5_0, 0)
+MB_Q2_RUN(mb_q_run_avx2_q5_1, MB_GGML_Q5_1, 1)
 #else
 #define MB_Q_AVX2 0
 #endif
@@ -698,7 +736,9 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
 #endif
 #if MB_Q_AVX2
     else if (kernel == MB_KERNEL_AVX2 && mb_avx2_supported())
-        j.run = mb_q_run_avx2;
+        j.run = type == MB_GGML_Q8_0 ? mb_q_run_avx2_q8_0 : type == MB_GGML_Q4_0 ? mb_q_run_avx2_q4_0
+                : type == MB_GGML_Q4_1 ? mb_q_run_avx2_q4_1 : type == MB_GGML_Q5_0 ? mb_q_run_avx2_q5_0
+                : mb_q_run_avx2_q5_1;
 #endif
     else
         return MB_EINVAL;
@@ -707,7 +747,7 @@ int mb_q_linear(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, in
     j.items = (int64_t)j.groups * j.chunks;
     void *scratch = NULL;
 #if MB_Q_AVX2
-    if (j.run == mb_q_run_avx2) {
+    if (kernel == MB_KERNEL_AVX2) {
         /* x widened once per call for all outputs: m * (k + k/8) floats, allocated per call
          * as csrc/kquant.c's x work is (the caller hands no scratch) */
         j.ldxw = mb_q2_ldxw(k, j.fmt.has_m);
