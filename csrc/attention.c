@@ -270,7 +270,7 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
     j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window;
     j.scale = scale, j.k_cache = k_cache, j.v_cache = v_cache, j.capacity = capacity;
     j.out = out, j.ldo = ldo, j.items = (int64_t)t * kv_heads;
-    if (kernel == MB_KERNEL_PORTABLE)
+    if (kernel == MB_KERNEL_PORTABLE || kernel == MB_KERNEL_AVX2) /* no AVX2 path of its own */
         j.run = mb_att_item;
 #if MB_ATT_HAVE_AVX512
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
@@ -753,7 +753,7 @@ int mb_bf16_prefill_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const
     j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window;
     j.scale = scale * MB_PF_LOG2E; /* scale2: the scores in base 2 */
     j.k_cache = k_cache, j.v_cache = v_cache, j.capacity = capacity, j.out = out, j.ldo = ldo;
-    if (kernel == MB_KERNEL_PORTABLE)
+    if (kernel == MB_KERNEL_PORTABLE || kernel == MB_KERNEL_AVX2) /* no AVX2 path of its own */
         j.run = mb_pf_item;
 #if MB_ATT_HAVE_AVX512
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16) {

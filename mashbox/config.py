@@ -201,7 +201,7 @@ class EngineConfig:
     threads: Optional[int] = None  # torch intra-op threads; None = torch's default
     # "auto": "dense" (weights in `dtype`) unless a .gguf file's dense weights would take
     # over 1 GiB or over half the available memory, then its own quantized blocks ("gguf", bfloat16 on a
-    # CPU with AVX512-BF16: csrc/quant.c, kquant.c; engine/runner.auto_weights); or opt-in weight-only
+    # CPU with AVX512-BF16 or AVX2: csrc/quant.c, kquant.c; engine/runner.auto_weights); or opt-in weight-only
     # "int8" / "int4" linears (bfloat16 on a CPU only, logits within ~1% of dense)
     weights: str = "auto"
     # --rope-scaling / --rope-scale over the model's own rope scaling (ModelConfig.

@@ -77,11 +77,11 @@ def _available_bytes() -> int:
 def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dtype) -> str:
     """The Decoder's weights for the config's: "auto" (auto_weights) is "gguf" (the file's
     own quantized blocks, csrc/quant.c and kquant.c) for a .gguf file in bfloat16 on a CPU
-    where csrc's AVX512-BF16 kernel runs and whose dense weights would take over 1 GiB or
+    where csrc's AVX512-BF16 or AVX2 kernel runs and whose dense weights would take over 1 GiB or
     more than half the available memory, else "dense"; an explicit "gguf" that cannot run here is a
     ModelError."""
     runs = (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16 and native.NATIVE
-            and native.bf16_kernel() == native.KERNEL_AVX512BF16)
+            and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2))
     if asked == "auto":
         if not runs:
             return "dense"

@@ -25,10 +25,11 @@ Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs her
   (native.amx_supported()) and the kernel is the AVX512-BF16 one, else lanes there. A
   row's bits depend on its kind alone, so chunked prefill and batching stay invariant
   either way.
-- kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16, or
-  native.KERNEL_PORTABLE: plain C on any CPU, the same bits, slow: what the tests force
-  on a machine without AVX512-BF16). 0: the fastest here; "auto" takes csrc only where
-  that is the AVX512-BF16 one, or where a kernel is named.
+- kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16; native.KERNEL_AVX2:
+  the linears on AVX2 and FMA, the other calls portable; or native.KERNEL_PORTABLE: plain
+  C on any CPU, the same bits, slow: what the tests force on a machine without
+  AVX512-BF16). 0: the fastest here; "auto" takes csrc only where that is the AVX512-BF16
+  one, for weights gguf (which run on csrc's linears only), or where a kernel is named.
 
 An explicit choice that cannot run here is a ModelError, not a silent fallback.
 """
@@ -49,7 +50,7 @@ ATTENTION = ("auto", "csrc", "sdpa")
 PREFILL = ("auto", "csrc", "sdpa")
 LAYERS = ("auto", "c", "python")
 PROMPT_LINEARS = ("auto", *PROMPT_RULES)  # auto, amx, lanes, same
-KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16)
+KERNELS = (0, native.KERNEL_PORTABLE, native.KERNEL_AVX512BF16, native.KERNEL_AVX2)
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class Kernels:
         fastest = native.bf16_kernel() if native.NATIVE else 0
         if self.kernel == native.KERNEL_AVX512BF16 and fastest != native.KERNEL_AVX512BF16:
             raise ModelError("kernels.kernel AVX512-BF16 does not run on this CPU (or the extension is not built)")
+        if self.kernel == native.KERNEL_AVX2 and not native.avx2_supported():
+            raise ModelError("kernels.kernel AVX2 does not run on this CPU (or the extension is not built)")
         if self.kernel and not native.NATIVE:
             raise ModelError("kernels.kernel needs the C extension (mashbox._native), which is not built")
         kernel = self.kernel or fastest
@@ -85,8 +88,10 @@ class Kernels:
         csrc_linears = native.NATIVE and device.type == "cpu" and dtype == torch.bfloat16
         linears = self.linears
         if linears == "auto":
-            # weights "gguf" (QuantLinear) run on csrc only
-            linears = ("csrc" if csrc_linears and packs and (auto_csrc or weights == "gguf")
+            # weights "gguf" (QuantLinear) run on csrc only; on an AVX2 CPU without AVX-512
+            # oneDNN's bfloat16 packing refuses to run, and csrc's AVX2 linears do
+            linears = ("csrc" if csrc_linears and (packs and (auto_csrc or weights == "gguf")
+                                                   or fastest == native.KERNEL_AVX2)
                        else "onednn" if packs else "torch")
         elif linears == "csrc" and not csrc_linears:
             raise ModelError("kernels.linears csrc needs bfloat16 on the CPU with the C extension built")

@@ -21,8 +21,9 @@ from mashbox.model.kernels import Kernels
 from mashbox.model.kv_cache import KVCache
 
 CPU = torch.device("cpu")
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512bf16"][:len(KERNELS)]
+KERNELS, KERNEL_IDS = map(list, zip(*[(native.KERNEL_PORTABLE, "portable")]
+                                     + ([(native.KERNEL_AVX512BF16, "avx512bf16")] if linear.bf16_kernel_available() else [])
+                                     + ([(native.KERNEL_AVX2, "avx2")] if native.avx2_supported() else [])))
 Q = gguf.GGMLQuantizationType
 
 
