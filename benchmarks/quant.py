@@ -157,7 +157,7 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
     tensor_bytes = GGUFWeights(path).nbytes
     rss0 = _rss()
     engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16),
-                                 threads=threads, prefill_chunk=max(512, prefill), weights=weights))
+                                 threads=threads, prefill_chunk=max(512, prefill), weights=weights, dtype="bfloat16"))
     gc.collect()
     r = engine.runner
     kv_bytes = sum(t.numel() * t.element_size() for t in (r.cache.k, r.cache.v))

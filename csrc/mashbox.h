@@ -105,7 +105,8 @@ int mb_longest_prefix(const uint64_t *query, int32_t n_query, const uint64_t *ta
 /* AVX2 and FMA (and F16C): the linears (mb_bf16_linear, mb_q_linear) emulate vdpbf16ps
  * with exact float32 products and fused adds, the same bits as the portable kernel where
  * the rule's limits hold (products and sums in float32's normal range); every other call
- * that takes a kernel runs its portable path for it */
+ * that takes a kernel runs its portable path for it (mb_q_linear_lanes excepted: it is
+ * AVX-512 only and answers MB_EINVAL) */
 #define MB_KERNEL_AVX2 4
 
 /* The fastest kernel this CPU runs: AVX512BF16, else AVX2, else PORTABLE. */
