@@ -485,7 +485,7 @@ static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int 
  * float32 128 + u * 2^e, the rule's word W exactly. Each product is exact, so an fma is
  * one of the rule's rounded adds; s * P and the A add round as the rule does. The same
  * bits as the portable kernel where the rule's limits hold (the P sums are not flushed
- * where they would be denormal). Two or more rows run the one-row loop per row. */
+ * where they would be denormal). Two or more rows: mb_kq2_many_rows, below. */
 #if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
 #define MB_KQ_HAVE_AVX2 1
 #include <immintrin.h>
@@ -539,14 +539,34 @@ MB_KQ2_INLINE void mb_kq2_bytes(int32_t type, const uint8_t *blk, __m256i u[8]) 
     }
 }
 
-static MB_KQ2_TARGET void mb_kq_run_avx2(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
-                                         int32_t c1) {
-    const int32_t type = j->a.type;
-    const int e = mb_kq_shift(type), q6 = type == MB_GGML_Q6_K;
-    const int64_t bb = mb_kq_block_bytes(type);
-    const float unshift = 1.0f / (float)(1 << e);
-    const __m256i word = _mm256_set1_epi32(0x43000000);
-    __m256i pick[4]; /* dword i of each 128-bit lane takes byte 4i + order[p] into bits 16-23 */
+/* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
+ * second's: one value but for Q6_K's two scales a chunk) and its N factors cf (8 groups,
+ * Q6_K 16). */
+MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8], float cf[16]) {
+    const float unshift = 1.0f / (float)(1 << mb_kq_shift(type));
+    if (type == MB_GGML_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = mb_half(blk + 208);
+        for (int g = 0; g < 16; g++)
+            cf[g] = (d * (float)sc[g]) * 96.0f;
+        for (int t = 0; t < 8; t++) {
+            __m128 lo = _mm_set1_ps((d * (float)sc[2 * t]) * unshift);
+            __m128 hi = _mm_set1_ps((d * (float)sc[2 * t + 1]) * unshift);
+            sv[t] = _mm256_set_m128(hi, lo);
+        }
+        return;
+    }
+    float dsc[8], dmn[8];
+    mb_kq_scales(blk, dsc, dmn);
+    const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
+    for (int t = 0; t < 8; t++) {
+        cf[t] = dsc[t] * offset + dmn[t];
+        sv[t] = _mm256_set1_ps(dsc[t] * unshift);
+    }
+}
+
+/* The pshufb masks: dword i of each 128-bit lane takes byte 4i + order[p] into bits 16-23. */
+MB_KQ2_INLINE void mb_kq2_picks(__m256i pick[4]) {
     for (int p = 0; p < 4; p++) {
         int o = mb_kq2_order[p];
         pick[p] = _mm256_setr_epi8(-128, -128, (char)o, -128, -128, -128, (char)(4 + o), -128,
@@ -554,57 +574,166 @@ static MB_KQ2_TARGET void mb_kq_run_avx2(const struct mb_kq_job *j, int32_t r0, 
                                    -128, -128, (char)o, -128, -128, -128, (char)(4 + o), -128,
                                    -128, -128, (char)(8 + o), -128, -128, -128, (char)(12 + o), -128);
     }
-    for (int32_t c = c0; c < c1; c++)
-        for (int32_t r = r0; r < r0 + rows; r++) {
-            const float *xw = j->xw + (size_t)r * j->a.k;
-            const float *xs = j->xs + (size_t)r * j->ldxs;
-            __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-            float N[16] = {0};
-            for (int32_t b = 0; b < j->blocks; b++) {
-                const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
+}
+
+/* chunk ch of block g's half-group (g, half): the weights lanes 0-7 (half 0) or 8-15 sum */
+static inline int mb_kq2_chunk(int q6, int g, int half) { return q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half; }
+
+static MB_KQ2_TARGET void mb_kq2_one_row(const struct mb_kq_job *j, int32_t r, int32_t c0, int32_t c1) {
+    const int32_t type = j->a.type;
+    const int q6 = type == MB_GGML_Q6_K;
+    const int64_t bb = mb_kq_block_bytes(type);
+    const __m256i word = _mm256_set1_epi32(0x43000000);
+    __m256i pick[4];
+    mb_kq2_picks(pick);
+    for (int32_t c = c0; c < c1; c++) {
+        const float *xw = j->xw + (size_t)r * j->a.k;
+        const float *xs = j->xs + (size_t)r * j->ldxs;
+        __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        float N[16] = {0};
+        for (int32_t b = 0; b < j->blocks; b++) {
+            const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
+            __m256i u[8];
+            mb_kq2_bytes(type, blk, u);
+            float cf[16];
+            __m256 sv[8];
+            mb_kq2_scales(type, blk, sv, cf);
+            const float *xb = xw + (size_t)b * MB_QK;
+            for (int g = 0; g < 4; g++)
+                for (int half = 0; half < 2; half++) {
+                    int ch = mb_kq2_chunk(q6, g, half);
+                    const float *xc = xb + 32 * ch;
+                    __m256 P = _mm256_setzero_ps();
+                    for (int p = 0; p < 4; p++) {
+                        __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
+                        P = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 8 * p), W, P);
+                    }
+                    A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
+                }
+            for (int g = 0; g < (q6 ? 16 : 8); g++)
+                N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
+        }
+        float lanes[16];
+        _mm256_storeu_ps(lanes, A[0]);
+        _mm256_storeu_ps(lanes + 8, A[1]);
+        mb_y_store(&j->a, r, c, mb_sum16(lanes) - (q6 ? mb_sum16(N) : mb_sum8(N)));
+    }
+}
+
+/* Two or more rows: an output pair's block widened once (its words as float32, 2 KB, in
+ * L1) and applied to every row of the group, MR rows x NO outputs at a time: per word
+ * vector NO loads and MR x loads feed MR * NO chains, the A accumulators in registers over
+ * the block (15 ymm at 2 x 2) and parked between blocks, N as vectors (its lanes are
+ * independent: the scalar rule's bits). The same arithmetic in the same order per output
+ * as the one-row loop. */
+struct mb_kq2_wide {
+    __m256 W[2][8][4]; /* [output][chunk][p] */
+    __m256 sv[2][8];
+    __m256 cf[2][2];   /* N factors: groups 0-7, 8-15 (Q6_K) */
+};
+
+MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, const float *xw, int64_t k,
+                                const float *xs, int64_t ldxs, int32_t b, __m256 A[][2][2], __m256 N[][2][2],
+                                const int MR, const int NO) {
+    __m256 a[2][2][2];
+    for (int r = 0; r < MR; r++)
+        for (int o = 0; o < NO; o++)
+            a[r][o][0] = A[r][o][0], a[r][o][1] = A[r][o][1];
+    for (int g = 0; g < 4; g++)
+        for (int half = 0; half < 2; half++) {
+            const int ch = mb_kq2_chunk(q6, g, half);
+            __m256 P[2][2];
+            for (int r = 0; r < MR; r++)
+                for (int o = 0; o < NO; o++)
+                    P[r][o] = _mm256_setzero_ps();
+            for (int p = 0; p < 4; p++) {
+                __m256 w[2];
+                for (int o = 0; o < NO; o++)
+                    w[o] = wd->W[o][ch][p];
+                for (int r = 0; r < MR; r++) {
+                    __m256 xv = _mm256_loadu_ps(xw + r * k + (size_t)b * MB_QK + 32 * ch + 8 * p);
+                    for (int o = 0; o < NO; o++)
+                        P[r][o] = _mm256_fmadd_ps(xv, w[o], P[r][o]);
+                }
+            }
+            for (int r = 0; r < MR; r++)
+                for (int o = 0; o < NO; o++)
+                    a[r][o][half] = _mm256_add_ps(a[r][o][half], _mm256_mul_ps(wd->sv[o][ch], P[r][o]));
+        }
+    for (int r = 0; r < MR; r++)
+        for (int o = 0; o < NO; o++) {
+            A[r][o][0] = a[r][o][0], A[r][o][1] = a[r][o][1];
+            for (int i = 0; i < (q6 ? 2 : 1); i++) {
+                __m256 x8 = _mm256_loadu_ps(xs + r * ldxs + (size_t)b * (q6 ? 16 : 8) + 8 * i);
+                N[r][o][i] = _mm256_add_ps(N[r][o][i], _mm256_mul_ps(wd->cf[o][i], x8));
+            }
+        }
+}
+
+MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t type, int32_t r0, int32_t rows,
+                                    int32_t c0, int32_t c1) {
+    const int q6 = type == MB_GGML_Q6_K;
+    const int64_t bb = mb_kq_block_bytes(type);
+    const __m256i word = _mm256_set1_epi32(0x43000000);
+    __m256i pick[4];
+    mb_kq2_picks(pick);
+    const float *xw = j->xw + (size_t)r0 * j->a.k, *xs = j->xs + (size_t)r0 * j->ldxs;
+    for (int32_t c = c0; c < c1; c += 2) {
+        const int no = c1 - c < 2 ? 1 : 2;
+        __m256 A[MB_KQ_ROWS][2][2], N[MB_KQ_ROWS][2][2];
+        for (int32_t r = 0; r < rows; r++)
+            for (int o = 0; o < 2; o++)
+                for (int i = 0; i < 2; i++)
+                    A[r][o][i] = N[r][o][i] = _mm256_setzero_ps();
+        struct mb_kq2_wide wd __attribute__((aligned(32)));
+        for (int32_t b = 0; b < j->blocks; b++) {
+            for (int o = 0; o < no; o++) {
+                const uint8_t *blk = j->a.w + (size_t)(c + o) * j->a.row_bytes + (size_t)b * bb;
                 __m256i u[8];
                 mb_kq2_bytes(type, blk, u);
-                float cf[16];
-                __m256 sv[8]; /* s of each chunk's lanes */
-                if (q6) {
-                    const int8_t *sc = (const int8_t *)(blk + 192);
-                    float d = mb_half(blk + 208);
-                    for (int g = 0; g < 16; g++)
-                        cf[g] = (d * (float)sc[g]) * 96.0f;
-                    for (int t = 0; t < 8; t++) {
-                        __m128 lo = _mm_set1_ps((d * (float)sc[2 * t]) * unshift);
-                        __m128 hi = _mm_set1_ps((d * (float)sc[2 * t + 1]) * unshift);
-                        sv[t] = _mm256_set_m128(hi, lo);
-                    }
-                } else {
-                    float dsc[8], dmn[8];
-                    mb_kq_scales(blk, dsc, dmn);
-                    const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
-                    for (int t = 0; t < 8; t++) {
-                        cf[t] = dsc[t] * offset + dmn[t];
-                        sv[t] = _mm256_set1_ps(dsc[t] * unshift);
-                    }
-                }
-                const float *xb = xw + (size_t)b * MB_QK;
-                for (int g = 0; g < 4; g++)
-                    for (int half = 0; half < 2; half++) {
-                        int ch = q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half;
-                        const float *xc = xb + 32 * ch;
-                        __m256 P = _mm256_setzero_ps();
-                        for (int p = 0; p < 4; p++) {
-                            __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
-                            P = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 8 * p), W, P);
-                        }
-                        A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
-                    }
-                for (int g = 0; g < (q6 ? 16 : 8); g++)
-                    N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
+                for (int ch = 0; ch < 8; ch++)
+                    for (int p = 0; p < 4; p++)
+                        wd.W[o][ch][p] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
+                float cf[16] = {0};
+                mb_kq2_scales(type, blk, wd.sv[o], cf);
+                wd.cf[o][0] = _mm256_loadu_ps(cf), wd.cf[o][1] = _mm256_loadu_ps(cf + 8);
             }
-            float lanes[16];
-            _mm256_storeu_ps(lanes, A[0]);
-            _mm256_storeu_ps(lanes + 8, A[1]);
-            mb_y_store(&j->a, r, c, mb_sum16(lanes) - (q6 ? mb_sum16(N) : mb_sum8(N)));
+            for (int32_t r = 0; r < rows; r += 2) {
+                const float *xr = xw + (size_t)r * j->a.k, *sr = xs + (size_t)r * j->ldxs;
+#define MB_KQ2_SWEEP(MR, NO) mb_kq2_sweep(&wd, q6, xr, j->a.k, sr, j->ldxs, b, A + r, N + r, MR, NO)
+                if (rows - r >= 2 && no == 2)
+                    MB_KQ2_SWEEP(2, 2);
+                else if (rows - r >= 2)
+                    MB_KQ2_SWEEP(2, 1);
+                else if (no == 2)
+                    MB_KQ2_SWEEP(1, 2);
+                else
+                    MB_KQ2_SWEEP(1, 1);
+#undef MB_KQ2_SWEEP
+            }
         }
+        for (int32_t r = 0; r < rows; r++)
+            for (int o = 0; o < no; o++) {
+                float lanes[16], n[16];
+                _mm256_storeu_ps(lanes, A[r][o][0]);
+                _mm256_storeu_ps(lanes + 8, A[r][o][1]);
+                _mm256_storeu_ps(n, N[r][o][0]);
+                _mm256_storeu_ps(n + 8, N[r][o][1]);
+                mb_y_store(&j->a, r0 + r, c + o, mb_sum16(lanes) - (q6 ? mb_sum16(n) : mb_sum8(n)));
+            }
+    }
+}
+
+static MB_KQ2_TARGET void mb_kq_run_avx2(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
+                                         int32_t c1) {
+    if (rows == 1)
+        mb_kq2_one_row(j, r0, c0, c1);
+    else if (j->a.type == MB_GGML_Q4_K)
+        mb_kq2_many_rows(j, MB_GGML_Q4_K, r0, rows, c0, c1);
+    else if (j->a.type == MB_GGML_Q5_K)
+        mb_kq2_many_rows(j, MB_GGML_Q5_K, r0, rows, c0, c1);
+    else
+        mb_kq2_many_rows(j, MB_GGML_Q6_K, r0, rows, c0, c1);
 }
 #else
 #define MB_KQ_HAVE_AVX2 0

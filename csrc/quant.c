@@ -512,7 +512,7 @@ static mb_q_run_fn mb_q_run_q8_0_for(int32_t kernel) {
  * even. The per-block fma takes d * 2^-24 (exact), so t * d is the rule's product. The
  * same bits as the portable kernel where the rule's limits hold (the sums in float32's
  * normal range: t is held 2^24 larger, so where it would be denormal it is not flushed).
- * Two or more rows run the one-row loop per row, the weights re-read from cache. */
+ * Two or more rows: mb_q2_many_rows, below. */
 #if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
 #define MB_Q_AVX2 1
 #include <immintrin.h>
@@ -580,19 +580,38 @@ MB_Q2_INLINE void mb_q2_bytes(int32_t type, const uint8_t *a, const uint8_t *b, 
  * each pair's lane sums [A l0..3 | B l0..3] into out[i]. The pairs run side by side
  * because each one's t is a chain of eight dependent fmas a block (NP = 4 hides their
  * latency); type, has_m and NP are constants in each instantiation. */
+/* The pshufb masks that take step s's four odd (even) integers of each output, as bytes in
+ * mb_q2_bytes' half h[s / 2], into the top bytes of four dwords: odd[s % 2], even[s % 2]
+ * (dword i: element 8s + 2i + 1, or 8s + 2i). */
+struct mb_q2_masks {
+    __m256i odd[2], even[2];
+};
+
+MB_Q2_INLINE struct mb_q2_masks mb_q2_make_masks(void) {
+    const __m256i odd0 = _mm256_set1_epi64x((long long)0x0380808001808080ull),
+                  odd0h = _mm256_set1_epi64x((long long)0x0780808005808080ull);
+    struct mb_q2_masks mk;
+    mk.odd[0] = _mm256_unpacklo_epi64(odd0, odd0h);
+    mk.odd[1] = _mm256_add_epi8(mk.odd[0], _mm256_set1_epi32(0x08000000));
+    mk.even[0] = _mm256_sub_epi8(mk.odd[0], _mm256_set1_epi32(0x01000000));
+    mk.even[1] = _mm256_sub_epi8(mk.odd[1], _mm256_set1_epi32(0x01000000));
+    return mk;
+}
+
+/* Two outputs' block (a, b) d * 2^-24 as [dA x4 | dB x4] and (formats with m) m likewise. */
+MB_Q2_INLINE void mb_q2_dm(const uint8_t *pa, const uint8_t *pb, __m256 *d, __m256 *m) {
+    uint16_t ha[2], hb[2];
+    memcpy(ha, pa, 4), memcpy(hb, pb, 4);
+    __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)ha[0], (short)hb[0], (short)ha[1], (short)hb[1], 0, 0, 0, 0));
+    __m256 dm8 = _mm256_castps128_ps256(dm);
+    *d = _mm256_mul_ps(_mm256_permutevar8x32_ps(dm8, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), _mm256_set1_ps(0x1p-24f));
+    *m = _mm256_permutevar8x32_ps(dm8, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+}
+
 MB_Q2_INLINE void mb_q2_pairs(const int32_t type, const int has_m, const int NP, const uint8_t *const a[4],
                               const uint8_t *const b[4], int32_t bytes, int32_t blocks, const float *xw,
                               const float *sums, __m256 out[4]) {
-    /* dword i of step s (s % 2 in a half-block) takes the byte of element 8s + 2i + 1 (odd)
-     * or 8s + 2i (even) into its top byte */
-    const __m256i odd0 = _mm256_set1_epi64x((long long)0x0380808001808080ull),
-                  odd0h = _mm256_set1_epi64x((long long)0x0780808005808080ull);
-    const __m256i m_odd[2] = {_mm256_unpacklo_epi64(odd0, odd0h),
-                              _mm256_add_epi8(_mm256_unpacklo_epi64(odd0, odd0h), _mm256_set1_epi32(0x08000000))};
-    const __m256i m_even[2] = {_mm256_sub_epi8(m_odd[0], _mm256_set1_epi32(0x01000000)),
-                               _mm256_sub_epi8(m_odd[1], _mm256_set1_epi32(0x01000000))};
-    const __m256 unscale = _mm256_set1_ps(0x1p-24f);
-    const __m256i dsel = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), msel = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
+    const struct mb_q2_masks mk = mb_q2_make_masks();
     __m256 acc[4];
     for (int i = 0; i < NP; i++)
         acc[i] = _mm256_setzero_ps();
@@ -608,27 +627,144 @@ MB_Q2_INLINE void mb_q2_pairs(const int32_t type, const int has_m, const int NP,
             __m256 xo = _mm256_broadcast_ps((const __m128 *)(xs + 8 * st));
             __m256 xe = _mm256_broadcast_ps((const __m128 *)(xs + 8 * st + 4));
             for (int i = 0; i < NP; i++)
-                t[i] = _mm256_fmadd_ps(xo, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], m_odd[st % 2])), t[i]);
+                t[i] = _mm256_fmadd_ps(xo, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], mk.odd[st % 2])), t[i]);
             for (int i = 0; i < NP; i++)
-                t[i] = _mm256_fmadd_ps(xe, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], m_even[st % 2])), t[i]);
+                t[i] = _mm256_fmadd_ps(xe, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[i][st / 2], mk.even[st % 2])), t[i]);
         }
         for (int i = 0; i < NP; i++) {
-            const uint8_t *pa = a[i] + (size_t)blk * bytes, *pb = b[i] + (size_t)blk * bytes;
-            uint16_t ha[2], hb[2];
-            memcpy(ha, pa, 4), memcpy(hb, pb, 4);
-            __m128 dm = _mm_cvtph_ps(_mm_setr_epi16((short)ha[0], (short)hb[0], (short)ha[1], (short)hb[1], 0, 0, 0, 0));
-            __m256 dm8 = _mm256_castps128_ps256(dm);
-            acc[i] = _mm256_fmadd_ps(t[i], _mm256_mul_ps(_mm256_permutevar8x32_ps(dm8, dsel), unscale), acc[i]);
+            __m256 d, m;
+            mb_q2_dm(a[i] + (size_t)blk * bytes, b[i] + (size_t)blk * bytes, &d, &m);
+            acc[i] = _mm256_fmadd_ps(t[i], d, acc[i]);
             if (has_m)
-                acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(sums + 4 * blk)),
-                                         _mm256_permutevar8x32_ps(dm8, msel), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ps((const __m128 *)(sums + 4 * blk)), m, acc[i]);
         }
     }
     for (int i = 0; i < NP; i++)
         out[i] = acc[i];
 }
 
-/* One item by rows, outputs in runs of up to 8 (4 pairs). */
+/* ---- two or more rows: each block widened once per item, all rows swept over it ----
+ *
+ * The item's 16 outputs, as 8 pairs, widened MB_Q_KC blocks at a time into sc (float32
+ * q * 2^24, per block, pair, step and parity: what mb_q2_pairs feeds its fmas; 20 KB, in
+ * L1), then MR2 rows x NP2 pairs a sweep: per step and parity NP2 weight loads and MR2 x
+ * broadcasts feed MR2 * NP2 independent fma chains (8: the fma latency hidden, 0.75 loads
+ * an fma). Each block's t goes into the accumulators parked in float32 (exact) per row and
+ * pair: the same adds in the same order as the one-row loop, so the same bits. */
+#define MB_Q2_PAIRS (MB_Q_OUTS / 2)
+#define MB_Q2_MR 2
+#define MB_Q2_NP 4
+
+struct mb_q2_chunk {
+    __m256 w[MB_Q_KC][MB_Q2_PAIRS][2 * MB_Q_STEPS]; /* [step * 2 + (0 odd, 1 even)] */
+    __m256 d[MB_Q_KC][MB_Q2_PAIRS];                 /* d * 2^-24, [A x4 | B x4] */
+    __m256 m[MB_Q_KC][MB_Q2_PAIRS];
+};
+
+/* MR rows' (xw rows ldxw apart, b0 the chunk's first block) sweep over pairs p0 .. p0+NP-1
+ * of sc's kb blocks; park[r * MB_Q2_PAIRS + p] their accumulators (zero where first). */
+MB_Q2_INLINE void mb_q2_sweep(const struct mb_q2_chunk *sc, int32_t kb, int32_t b0, const float *xw, int64_t ldxw,
+                              int32_t k, __m256 *park, int first, const int has_m, const int MR, const int NP,
+                              int p0) {
+    for (int32_t blk = 0; blk < kb; blk++) {
+        __m256 t[MB_Q2_MR][MB_Q2_NP];
+        for (int r = 0; r < MR; r++)
+            for (int i = 0; i < NP; i++)
+                t[r][i] = _mm256_setzero_ps();
+        for (int sp = 0; sp < 2 * MB_Q_STEPS; sp++) { /* step sp / 2, odd then even */
+            __m256 w[MB_Q2_NP];
+            for (int i = 0; i < NP; i++)
+                w[i] = _mm256_load_ps((const float *)&sc->w[blk][p0 + i][sp]);
+            for (int r = 0; r < MR; r++) {
+                __m256 xv = _mm256_broadcast_ps((const __m128 *)(xw + r * ldxw + (size_t)(b0 + blk) * MB_Q_BLOCK + 4 * sp));
+                for (int i = 0; i < NP; i++)
+                    t[r][i] = _mm256_fmadd_ps(xv, w[i], t[r][i]);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            __m256 s = has_m ? _mm256_broadcast_ps((const __m128 *)(xw + r * ldxw + k + 4 * (size_t)(b0 + blk)))
+                             : _mm256_setzero_ps();
+            for (int i = 0; i < NP; i++) {
+                __m256 *pa = &park[r * MB_Q2_PAIRS + p0 + i];
+                __m256 acc = first && blk == 0 ? _mm256_setzero_ps() : *pa;
+                acc = _mm256_fmadd_ps(t[r][i], sc->d[blk][p0 + i], acc);
+                if (has_m)
+                    acc = _mm256_fmadd_ps(s, sc->m[blk][p0 + i], acc);
+                *pa = acc;
+            }
+        }
+    }
+}
+
+/* The sweeps over one chunk: rows MR2 at a time (one left over alone), pairs NP2 at a
+ * time (the rest in one sweep). */
+MB_Q2_INLINE void mb_q2_sweeps(const struct mb_q2_chunk *sc, int32_t kb, int32_t b0, const float *xw, int64_t ldxw,
+                               int32_t k, __m256 *park, int first, const int has_m, int32_t rows, int pairs) {
+    for (int32_t r = 0; r < rows; r += MB_Q2_MR) {
+        const int mr = rows - r < MB_Q2_MR ? 1 : MB_Q2_MR;
+        const float *xr = xw + (size_t)r * ldxw;
+        __m256 *pk = park + (size_t)r * MB_Q2_PAIRS;
+        for (int p = 0; p < pairs; p += MB_Q2_NP) {
+            int np = pairs - p < MB_Q2_NP ? pairs - p : MB_Q2_NP;
+#define MB_Q2_SWEEP(MR, NP) mb_q2_sweep(sc, kb, b0, xr, ldxw, k, pk, first, has_m, MR, NP, p)
+            if (mr == 2)
+                switch (np) {
+                case 4: MB_Q2_SWEEP(2, 4); break;
+                case 3: MB_Q2_SWEEP(2, 3); break;
+                case 2: MB_Q2_SWEEP(2, 2); break;
+                default: MB_Q2_SWEEP(2, 1); break;
+                }
+            else
+                switch (np) {
+                case 4: MB_Q2_SWEEP(1, 4); break;
+                case 3: MB_Q2_SWEEP(1, 3); break;
+                case 2: MB_Q2_SWEEP(1, 2); break;
+                default: MB_Q2_SWEEP(1, 1); break;
+                }
+#undef MB_Q2_SWEEP
+        }
+    }
+}
+
+MB_Q2_INLINE void mb_q2_many_rows(const struct mb_q_job *j, const int32_t type, const int has_m, int32_t r0,
+                                  int32_t rows, int32_t c0, int32_t outs) {
+    const int32_t bytes = j->fmt.bytes, blocks = j->a.k / MB_Q_BLOCK;
+    const int pairs = (outs + 1) / 2;
+    const struct mb_q2_masks mk = mb_q2_make_masks();
+    const uint8_t *a[MB_Q2_PAIRS], *b[MB_Q2_PAIRS];
+    for (int i = 0; i < pairs; i++) {
+        a[i] = j->a.w + (size_t)(c0 + 2 * i) * j->a.row_bytes;
+        b[i] = 2 * i + 1 < outs ? a[i] + j->a.row_bytes : a[i];
+    }
+    struct mb_q2_chunk sc __attribute__((aligned(32)));
+    __m256 park[MB_Q_ROWS * MB_Q2_PAIRS] __attribute__((aligned(32)));
+    const float *xw = j->xw + (size_t)r0 * j->ldxw;
+    for (int32_t b0 = 0; b0 < blocks; b0 += MB_Q_KC) {
+        int32_t kb = blocks - b0 < MB_Q_KC ? blocks - b0 : MB_Q_KC;
+        for (int32_t blk = 0; blk < kb; blk++)
+            for (int i = 0; i < pairs; i++) {
+                const uint8_t *pa = a[i] + (size_t)(b0 + blk) * bytes, *pb = b[i] + (size_t)(b0 + blk) * bytes;
+                __m256i h[2];
+                mb_q2_bytes(type, pa, pb, h);
+                for (int st = 0; st < MB_Q_STEPS; st++) {
+                    sc.w[blk][i][2 * st] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], mk.odd[st % 2]));
+                    sc.w[blk][i][2 * st + 1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h[st / 2], mk.even[st % 2]));
+                }
+                mb_q2_dm(pa, pb, &sc.d[blk][i], &sc.m[blk][i]);
+            }
+        mb_q2_sweeps(&sc, kb, b0, xw, j->ldxw, j->a.k, park, b0 == 0, has_m, rows, pairs);
+    }
+    for (int32_t r = 0; r < rows; r++)
+        for (int i = 0; i < pairs; i++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, park[r * MB_Q2_PAIRS + i]);
+            mb_y_store(&j->a, r0 + r, c0 + 2 * i, (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]));
+            if (2 * i + 1 < outs)
+                mb_y_store(&j->a, r0 + r, c0 + 2 * i + 1, (lanes[4] + lanes[6]) + (lanes[5] + lanes[7]));
+        }
+}
+
+/* One row, outputs in runs of up to 8 (4 pairs). */
 MB_Q2_INLINE void mb_q2_item(const struct mb_q_job *j, const int32_t type, const int has_m, int32_t r0,
                              int32_t rows, int32_t c0, int32_t outs) {
     const int32_t bytes = j->fmt.bytes, blocks = j->a.k / MB_Q_BLOCK;
@@ -663,7 +799,10 @@ MB_Q2_INLINE void mb_q2_item(const struct mb_q_job *j, const int32_t type, const
 #define MB_Q2_RUN(name, TYPE, HAS_M)                                                                     \
     static MB_Q2_TARGET void name(const struct mb_q_job *j, int32_t r0, int32_t rows, int32_t c0,        \
                                   int32_t outs) {                                                        \
-        mb_q2_item(j, TYPE, HAS_M, r0, rows, c0, outs);                                                  \
+        if (rows > 1)                                                                                    \
+            mb_q2_many_rows(j, TYPE, HAS_M, r0, rows, c0, outs);                                         \
+        else                                                                                             \
+            mb_q2_item(j, TYPE, HAS_M, r0, rows, c0, outs);                                              \
     }
 MB_Q2_RUN(mb_q_run_avx2_q8_0, MB_GGML_Q8_0, 0)
 MB_Q2_RUN(mb_q_run_avx2_q4_0, MB_GGML_Q4_0, 0)
