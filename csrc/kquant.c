@@ -546,7 +546,7 @@ MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8],
     const float unshift = 1.0f / (float)(1 << mb_kq_shift(type));
     if (type == MB_GGML_Q6_K) {
         const int8_t *sc = (const int8_t *)(blk + 192);
-        float d = mb_half(blk + 208);
+        float d = mb_half_f16c(blk + 208);
         for (int g = 0; g < 16; g++)
             cf[g] = (d * (float)sc[g]) * 96.0f;
         for (int t = 0; t < 8; t++) {
@@ -556,12 +556,16 @@ MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8],
         }
         return;
     }
-    float dsc[8], dmn[8];
-    mb_kq_scales(blk, dsc, dmn);
+    /* mb_kq_scales inlined, d and dmin by vcvtph2ps: its call and mb_half's branches were
+     * a fifth of the batch-1 profile */
+    const float d = mb_half_f16c(blk), dmin = mb_half_f16c(blk + 2);
+    uint32_t sc[8], mn[8];
+    mb_k_scales(blk + 4, sc, mn);
     const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
     for (int t = 0; t < 8; t++) {
-        cf[t] = dsc[t] * offset + dmn[t];
-        sv[t] = _mm256_set1_ps(dsc[t] * unshift);
+        float dsc = d * (float)sc[t];
+        cf[t] = dsc * offset + dmin * (float)mn[t];
+        sv[t] = _mm256_set1_ps(dsc * unshift);
     }
 }
 
