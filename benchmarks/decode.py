@@ -16,8 +16,8 @@ and a last line pairs each round's b1 with copies measured just before and after
 
 Usage: python benchmarks/decode.py [--model PATH] [--tokens 48] [--dtype auto] [--repeat 3]
        [--profile]   (adds a torch profiler table of one batch-1 and one batch-8 step)
-       [--weights auto|gguf|dense|int8|int4]   (auto, the server's default: dense unless
-       a GGUF's dense weights would take over 1 GiB or half the available memory; int8 / int4: opt-in weight-only quantized linears,
+       [--weights auto|gguf|dense|int8|int4]   (auto, the server's default: a GGUF's
+       own blocks wherever they run, else dense; int8 / int4: opt-in weight-only quantized linears,
        bf16 on CPU, whose bound stays the dense model's, so int4 can pass 100%)
        [--linears own|onednn]   (bf16 dense linears on mashbox's kernel, the default where
        the CPU has AVX512-BF16, or on oneDNN, for a side-by-side)

@@ -72,9 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="compute dtype (default auto: bfloat16 where the CPU or GPU has bfloat16 units "
                      "or mashbox's AVX512-BF16 kernel runs, else float32; the same on every start)")
     run.add_argument("--weights", choices=("auto", "gguf", "dense", "int8", "int4"), default="auto",
-                     help="linear weights (default auto: for a .gguf file gguf when its dense bfloat16 weights "
-                     "would take over 1 GiB (a model of ~540M parameters or more: blocks read fewer bytes a "
-                     "step) or over half the available memory, else dense): gguf (kept in the file's blocks, bfloat16 "
+                     help="linear weights (default auto: for a .gguf file gguf wherever its blocks run (they read "
+                     "fewer bytes a step), else dense): gguf (kept in the file's blocks, bfloat16 "
                      "on a CPU with AVX512-BF16 or AVX2 (there with --dtype bfloat16): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
                      "read as they are, "
                      "prompt rows on AMX-BF16 tiles where the CPU has them, else on vdpbf16ps lanes, other types dequantized; about "

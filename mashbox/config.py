@@ -199,9 +199,9 @@ class EngineConfig:
     prefill_chunk: int = 512  # most prompt tokens one step prefills in all
     prefix_block: int = 16  # tokens per prefix-hash block
     threads: Optional[int] = None  # torch intra-op threads; None = torch's default
-    # "auto": "dense" (weights in `dtype`) unless a .gguf file's dense weights would take
-    # over 1 GiB or over half the available memory, then its own quantized blocks ("gguf", bfloat16 on a
-    # CPU with AVX512-BF16 or AVX2: csrc/quant.c, kquant.c; engine/runner.auto_weights); or opt-in weight-only
+    # "auto": a .gguf file's own quantized blocks ("gguf", bfloat16 on a CPU with AVX512-BF16
+    # or AVX2: csrc/quant.c, kquant.c; engine/runner.auto_weights) wherever they run, else "dense"
+    # (weights in `dtype`); or opt-in weight-only
     # "int8" / "int4" linears (bfloat16 on a CPU only, logits within ~1% of dense)
     weights: str = "auto"
     # --rope-scaling / --rope-scale over the model's own rope scaling (ModelConfig.

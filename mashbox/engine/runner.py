@@ -39,27 +39,16 @@ log = logging.getLogger("mashbox.engine.runner")
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
-# weights "auto" keeps a GGUF's blocks (the file's own quantization) for a big model and
-# dense bfloat16 for a small one. A decode step reads every weight once: past a few
-# hundred MB the step is bound by those bytes, and the blocks read 1.9x (Q8_0) to 3.4x
-# (Q4_K_M) fewer of them in as many fewer bytes of memory (README, Quantized weights:
-# the 1.7B files decode faster in blocks at batch 1). A small model's dense weights sit
-# largely in cache, where the dense kernel's one vdpbf16ps per 32 weights beats the
-# blocks' widening (the default model, 270 MB dense: dense is faster), so it stays
-# dense. And blocks always where dense would not fit comfortably.
-AUTO_GGUF_DENSE_BYTES = 1 << 30  # dense bfloat16 weights above this: blocks (~540M parameters)
-AUTO_GGUF_MEMORY_SHARE = 0.5
+# weights "auto" keeps a GGUF's blocks (the file's own quantization) wherever they run. A
+# decode step reads every weight once, and the blocks read 1.9x (Q8_0) to 3.4x (Q4_K_M)
+# fewer bytes than dense bfloat16, in as many fewer bytes of memory. The default model
+# too: 97 MB of blocks against 270 MB dense, which decode and prefill faster than its
+# dense weights where measured (README, Quantized weights).
 
 
-def auto_weights(can_keep_blocks: bool, dense_bytes: int, available_bytes: int) -> str:
-    """What --weights auto means for a model: "gguf" where blocks run here and the dense
-    bfloat16 weights would be big (over AUTO_GGUF_DENSE_BYTES: blocks read fewer bytes a
-    step) or would not fit comfortably (over AUTO_GGUF_MEMORY_SHARE of the memory
-    available), else "dense"."""
-    if can_keep_blocks and (dense_bytes > AUTO_GGUF_DENSE_BYTES
-                            or dense_bytes > AUTO_GGUF_MEMORY_SHARE * available_bytes):
-        return "gguf"
-    return "dense"
+def auto_weights(can_keep_blocks: bool) -> str:
+    """What --weights auto means for a model: "gguf" where its blocks run here, else "dense"."""
+    return "gguf" if can_keep_blocks else "dense"
 
 
 def _available_bytes() -> int:
@@ -77,16 +66,15 @@ def _available_bytes() -> int:
 def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dtype) -> str:
     """The Decoder's weights for the config's: "auto" (auto_weights) is "gguf" (the file's
     own quantized blocks, csrc/quant.c and kquant.c) for a .gguf file in bfloat16 on a CPU
-    where csrc's AVX512-BF16 or AVX2 kernel runs and whose dense weights would take over 1 GiB or
-    more than half the available memory, else "dense"; an explicit "gguf" that cannot run here is a
-    ModelError."""
+    where csrc's AVX512-BF16 or AVX2 kernel runs, else "dense"; an explicit "gguf" that
+    cannot run here is a ModelError."""
     runs = (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16 and native.NATIVE
             and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2))
     if asked == "auto":
         if not runs:
             return "dense"
         dense_bytes = 2 * sum(t.n_elements for t in gguf_meta.read(path).tensors)
-        fmt = auto_weights(runs, dense_bytes, _available_bytes())
+        fmt = auto_weights(runs)
         log.info("weights auto: %s (dense bfloat16 would be %.1f GB)", fmt, dense_bytes / 1e9)
         return fmt
     if asked == "gguf" and not (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16):
@@ -119,7 +107,7 @@ class Runner:
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
         self.device, self.dtype = device_and_dtype(cfg.device, dtype, hidden)
-        # weights "auto": a big GGUF's own blocks, dense for a small one (auto_weights)
+        # weights "auto": a GGUF's own blocks where they run, else dense (auto_weights)
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device, blocks=self.weight_format == "gguf")

@@ -79,29 +79,17 @@ def test_blocks_follow_the_dequantized_greedy_text(default_model_path):
     assert blocks_err <= 1.25 * dense_err, (blocks_err, dense_err)
 
 
-def test_weights_auto_keeps_blocks_for_a_big_model_or_one_that_would_not_fit_dense():
-    from mashbox.engine.runner import AUTO_GGUF_DENSE_BYTES, AUTO_GGUF_MEMORY_SHARE, auto_weights
-
-    gib, mib = 1 << 30, 1 << 20
-    assert auto_weights(True, 270 * mib, 24 * gib) == "dense"  # the default model (135M)
-    assert auto_weights(True, 720 * mib, 24 * gib) == "dense"  # a 360M one
-    assert auto_weights(True, AUTO_GGUF_DENSE_BYTES, 24 * gib) == "dense"  # at the size: still dense
-    assert auto_weights(True, AUTO_GGUF_DENSE_BYTES + 1, 24 * gib) == "gguf"
-    assert auto_weights(True, int(3.4 * gib), 24 * gib) == "gguf"  # a 1.7B: fewer bytes a step
-    assert auto_weights(True, 16 * gib, 24 * gib) == "gguf"  # an 8B one
-    assert auto_weights(False, 16 * gib, 24 * gib) == "dense"  # blocks cannot run here
-    assert auto_weights(False, int(3.4 * gib), 24 * gib) == "dense"
-    # a small model on a machine with little memory free: blocks
-    assert auto_weights(True, 512 * mib, int(512 * mib / AUTO_GGUF_MEMORY_SHARE) - 1) == "gguf"
-    assert auto_weights(True, 512 * mib, int(512 * mib / AUTO_GGUF_MEMORY_SHARE)) == "dense"
-
-
-def test_weights_auto_keeps_the_default_model_dense(default_model_path):
-    """The default model (135M, 270 MB dense) stays dense under auto: dense is faster there."""
+def test_weights_auto_takes_the_files_blocks_where_they_run(default_model_path):
+    """auto is the file's own blocks wherever they run (bfloat16 on a CPU with csrc's
+    AVX512-BF16 or AVX2 kernel), the default model included; dense elsewhere."""
+    from mashbox import native
     from mashbox.engine.runner import _weight_format
 
-    assert _weight_format("auto", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
-    assert _weight_format("dense", str(default_model_path), torch.device("cpu"), torch.bfloat16) == "dense"
+    path, cpu = str(default_model_path), torch.device("cpu")
+    runs = native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)
+    assert _weight_format("auto", path, cpu, torch.bfloat16) == ("gguf" if runs else "dense")
+    assert _weight_format("auto", path, cpu, torch.float32) == "dense"  # blocks run in bfloat16 only
+    assert _weight_format("dense", path, cpu, torch.bfloat16) == "dense"
 
 
 def test_the_files_blocks_take_the_files_memory(default_model_path):
@@ -115,6 +103,8 @@ def test_the_files_blocks_take_the_files_memory(default_model_path):
     file_bytes = os.path.getsize(default_model_path)
     # resident weights: the blocks (Q4_1, a Q8_0 embedding/head) and the float32 norms
     assert runner.weight_bytes <= 1.1 * file_bytes, (runner.weight_bytes, file_bytes)
-    # the default model's dense weights fit many times over: auto is dense
-    dense = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64))
+    # auto is the blocks; dense bfloat16 holds 2.8x their bytes
+    auto = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64))
+    assert auto.weight_format == "gguf" and auto.weight_bytes == runner.weight_bytes
+    dense = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="dense"))
     assert dense.weight_format == "dense" and dense.weight_bytes > 2 * runner.weight_bytes
