@@ -200,7 +200,7 @@ class EngineConfig:
     prefix_block: int = 16  # tokens per prefix-hash block
     threads: Optional[int] = None  # torch intra-op threads; None = torch's default
     # "auto": a .gguf file's own quantized blocks ("gguf", bfloat16 on a CPU with AVX512-BF16
-    # or AVX2: csrc/quant.c, kquant.c; engine/runner.auto_weights) wherever they run, else "dense"
+    # or AVX2: csrc/quant.c, kquant.c; engine/runner._weight_format) wherever they run, else "dense"
     # (weights in `dtype`); or opt-in weight-only
     # "int8" / "int4" linears (bfloat16 on a CPU only, logits within ~1% of dense)
     weights: str = "auto"

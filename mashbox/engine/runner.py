@@ -39,18 +39,6 @@ log = logging.getLogger("mashbox.engine.runner")
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 
 
-# weights "auto" keeps a GGUF's blocks (the file's own quantization) wherever they run. A
-# decode step reads every weight once, and the blocks read 1.9x (Q8_0) to 3.4x (Q4_K_M)
-# fewer bytes than dense bfloat16, in as many fewer bytes of memory. The default model
-# too: 97 MB of blocks against 270 MB dense, which decode and prefill faster than its
-# dense weights where measured (README, Quantized weights).
-
-
-def auto_weights(can_keep_blocks: bool) -> str:
-    """What --weights auto means for a model: "gguf" where its blocks run here, else "dense"."""
-    return "gguf" if can_keep_blocks else "dense"
-
-
 def _available_bytes() -> int:
     """MemAvailable (Linux), else all physical memory."""
     try:
@@ -63,8 +51,13 @@ def _available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# weights "auto" keeps a GGUF's blocks (the file's own quantization) wherever they run. A
+# decode step reads every weight once, and the blocks read 1.9x (Q8_0) to 3.4x (Q4_K_M)
+# fewer bytes than dense bfloat16, in as many fewer bytes of memory. The default model
+# too: 97 MB of blocks against 270 MB dense, which decode and prefill faster than its
+# dense weights where measured (README, Quantized weights).
 def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The Decoder's weights for the config's: "auto" (auto_weights) is "gguf" (the file's
+    """The Decoder's weights for the config's: "auto" is "gguf" (the file's
     own quantized blocks, csrc/quant.c and kquant.c) for a .gguf file in bfloat16 on a CPU
     where csrc's AVX512-BF16 or AVX2 kernel runs, else "dense"; an explicit "gguf" that
     cannot run here is a ModelError."""
@@ -74,9 +67,8 @@ def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dty
         if not runs:
             return "dense"
         dense_bytes = 2 * sum(t.n_elements for t in gguf_meta.read(path).tensors)
-        fmt = auto_weights(runs)
-        log.info("weights auto: %s (dense bfloat16 would be %.1f GB)", fmt, dense_bytes / 1e9)
-        return fmt
+        log.info("weights auto: gguf (dense bfloat16 would be %.1f GB)", dense_bytes / 1e9)
+        return "gguf"
     if asked == "gguf" and not (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16):
         raise ModelError(f"weights gguf needs a .gguf model in bfloat16 on a CPU ({path}, {dtype}, {device})")
     return asked
@@ -107,7 +99,7 @@ class Runner:
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
         self.device, self.dtype = device_and_dtype(cfg.device, dtype, hidden)
-        # weights "auto": a GGUF's own blocks where they run, else dense (auto_weights)
+        # weights "auto": a GGUF's own blocks where they run, else dense
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)
         t0 = time.perf_counter()
         weights = loader.load(cfg.model_path, self.dtype, self.device, blocks=self.weight_format == "gguf")
