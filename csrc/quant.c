@@ -296,8 +296,8 @@ MB_Q_INLINE void mb_q_widen4(const int32_t type, const mb_q_q8_widen cv, const s
         for (int o = 0; o < 4; o++)
             memcpy(&h[o], blk[o], 2);
         /* the four halves packed in a general register, then one move: element inserts
-         * queued on the shuffle port that the widening keeps busy (Q8_0 m=1 8% faster on an
-         * Intel Xeon; for d and m side by side above the same measured slower at 8 rows) */
+         * would queue on the shuffle port that the widening keeps busy (for d and m side by
+         * side above, the same packing measured slower at 8 rows) */
         uint64_t hh = h[0] | (uint64_t)h[1] << 16 | (uint64_t)h[2] << 32 | (uint64_t)h[3] << 48;
         __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi64_si128((long long)hh)));
         *d = _mm512_permutexvar_ps(four, f);
