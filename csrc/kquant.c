@@ -540,33 +540,45 @@ MB_KQ2_INLINE void mb_kq2_bytes(int32_t type, const uint8_t *blk, __m256i u[8]) 
 }
 
 /* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
- * second's: one value but for Q6_K's two scales a chunk) and its N factors cf (8 groups,
- * Q6_K 16). */
-MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8], float cf[16]) {
-    const float unshift = 1.0f / (float)(1 << mb_kq_shift(type));
+ * second's: one value but for Q6_K's two scales a chunk) and its N factors cf (groups 0-7,
+ * Q6_K's 8-15 in cf[1]; zero for the others). The scales are decoded in vectors, as the
+ * AVX-512 path's mb_kq_block_scales: scalar, their bytes went through the stack and were
+ * read back wider, a store-forwarding stall that took a quarter of the one-row loop's
+ * cycles on Zen 3. Every product is exact and each cf takes one rounded add, so the bits
+ * are the scalar rule's. */
+MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8], __m256 cf[2]) {
+    const __m256 unshift = _mm256_set1_ps(1.0f / (float)(1 << mb_kq_shift(type)));
+    float sh[16] __attribute__((aligned(32)));
     if (type == MB_GGML_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        float d = mb_half_f16c(blk + 208);
-        for (int g = 0; g < 16; g++)
-            cf[g] = (d * (float)sc[g]) * 96.0f;
-        for (int t = 0; t < 8; t++) {
-            __m128 lo = _mm_set1_ps((d * (float)sc[2 * t]) * unshift);
-            __m128 hi = _mm_set1_ps((d * (float)sc[2 * t + 1]) * unshift);
-            sv[t] = _mm256_set_m128(hi, lo);
-        }
+        const __m256 d = _mm256_set1_ps(mb_half_f16c(blk + 208));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        cf[0] = _mm256_mul_ps(s0, _mm256_set1_ps(96.0f));
+        cf[1] = _mm256_mul_ps(s1, _mm256_set1_ps(96.0f));
+        _mm256_store_ps(sh, _mm256_mul_ps(s0, unshift));
+        _mm256_store_ps(sh + 8, _mm256_mul_ps(s1, unshift));
+        for (int t = 0; t < 8; t++)
+            sv[t] = _mm256_setr_m128(_mm_broadcast_ss(sh + 2 * t), _mm_broadcast_ss(sh + 2 * t + 1));
         return;
     }
-    /* mb_kq_scales inlined, d and dmin by vcvtph2ps: its call and mb_half's branches were
-     * a fifth of the batch-1 profile */
-    const float d = mb_half_f16c(blk), dmin = mb_half_f16c(blk + 2);
-    uint32_t sc[8], mn[8];
-    mb_k_scales(blk + 4, sc, mn);
+    /* the eight 6-bit scales and mins, as mb_k_scales reads them, 4 bytes at a time */
+    uint32_t u0, u1, u2;
+    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
+    const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                         (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                         (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
     const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
-    for (int t = 0; t < 8; t++) {
-        float dsc = d * (float)sc[t];
-        cf[t] = dsc * offset + dmin * (float)mn[t];
-        sv[t] = _mm256_set1_ps(dsc * unshift);
-    }
+    cf[0] = _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(offset)), dmn);
+    cf[1] = _mm256_setzero_ps();
+    _mm256_store_ps(sh, _mm256_mul_ps(dsc, unshift));
+    for (int t = 0; t < 8; t++)
+        sv[t] = _mm256_broadcast_ss(sh + t);
 }
 
 /* The pshufb masks: dword i of each 128-bit lane takes byte 4i + order[p] into bits 16-23. */
@@ -594,13 +606,12 @@ static MB_KQ2_TARGET void mb_kq2_one_row(const struct mb_kq_job *j, int32_t r, i
         const float *xw = j->xw + (size_t)r * j->a.k;
         const float *xs = j->xs + (size_t)r * j->ldxs;
         __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        float N[16] = {0};
+        __m256 N[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* groups 0-7, 8-15 */
         for (int32_t b = 0; b < j->blocks; b++) {
             const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
             __m256i u[8];
             mb_kq2_bytes(type, blk, u);
-            float cf[16];
-            __m256 sv[8];
+            __m256 cf[2], sv[8];
             mb_kq2_scales(type, blk, sv, cf);
             const float *xb = xw + (size_t)b * MB_QK;
             for (int g = 0; g < 4; g++)
@@ -614,13 +625,15 @@ static MB_KQ2_TARGET void mb_kq2_one_row(const struct mb_kq_job *j, int32_t r, i
                     }
                     A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
                 }
-            for (int g = 0; g < (q6 ? 16 : 8); g++)
-                N[g] = N[g] + cf[g] * xs[(size_t)b * (q6 ? 16 : 8) + g];
+            for (int i = 0; i < (q6 ? 2 : 1); i++)
+                N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(cf[i], _mm256_loadu_ps(xs + (size_t)b * (q6 ? 16 : 8) + 8 * i)));
         }
-        float lanes[16];
+        float lanes[16], n[16];
         _mm256_storeu_ps(lanes, A[0]);
         _mm256_storeu_ps(lanes + 8, A[1]);
-        mb_y_store(&j->a, r, c, mb_sum16(lanes) - (q6 ? mb_sum16(N) : mb_sum8(N)));
+        _mm256_storeu_ps(n, N[0]);
+        _mm256_storeu_ps(n + 8, N[1]);
+        mb_y_store(&j->a, r, c, mb_sum16(lanes) - (q6 ? mb_sum16(n) : mb_sum8(n)));
     }
 }
 
@@ -698,9 +711,7 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
                 for (int ch = 0; ch < 8; ch++)
                     for (int p = 0; p < 4; p++)
                         wd.W[o][ch][p] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
-                float cf[16] = {0};
-                mb_kq2_scales(type, blk, wd.sv[o], cf);
-                wd.cf[o][0] = _mm256_loadu_ps(cf), wd.cf[o][1] = _mm256_loadu_ps(cf + 8);
+                mb_kq2_scales(type, blk, wd.sv[o], wd.cf[o]);
             }
             for (int32_t r = 0; r < rows; r += 2) {
                 const float *xr = xw + (size_t)r * j->a.k, *sr = xs + (size_t)r * j->ldxs;
