@@ -503,40 +503,28 @@ static void mb_kq2_prepare(const uint16_t *x, int32_t k, float *xw) {
                 xw[32 * c + 8 * p + i] = mb_flush(mb_bf16_f32(x[32 * c + 4 * i + mb_kq2_order[p]]));
 }
 
-/* Block blk's eight chunks of 32 integers, u << e as bytes in weight order. */
-MB_KQ2_INLINE void mb_kq2_bytes(int32_t type, const uint8_t *blk, __m256i u[8]) {
+/* Chunk t of block blk: its 32 integers, u << e as bytes in weight order. Made where a
+ * chunk is used, from loads that hit L1: eight made ahead of the loop were spilled to the
+ * stack (with the picks, the accumulators and x they need 17 ymm). */
+MB_KQ2_INLINE __m256i mb_kq2_chunk_bytes(const int32_t type, const uint8_t *blk, const int t) {
     const __m256i low = _mm256_set1_epi8(15);
     if (type == MB_GGML_Q6_K) {
-        const uint8_t *ql = blk, *qh = blk + 128;
-        const __m256i two = _mm256_set1_epi8(3);
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            for (int part = 0; part < 4; part++) {
-                __m256i lo = part & 1 ? l1 : l0;
-                lo = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(lo, 4) : lo, low);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * part), two);
-                __m256i v = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-                u[4 * h + part] = _mm256_slli_epi16(v, 1); /* e = 1 */
-            }
-        }
-        return;
+        const uint8_t *ql = blk + 64 * (t / 4), *qh = blk + 128 + 32 * (t / 4);
+        const int part = t % 4;
+        __m256i lo = _mm256_loadu_si256((const __m256i *)(ql + 32 * (part & 1)));
+        lo = _mm256_and_si256(part >> 1 ? _mm256_srli_epi16(lo, 4) : lo, low);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), 2 * part),
+                                      _mm256_set1_epi8(3));
+        return _mm256_slli_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), 1); /* e = 1 */
     }
     const int q5 = type == MB_GGML_Q5_K;
-    const uint8_t *qs = blk + (q5 ? 48 : 16);
-    __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(blk + 16)) : _mm256_setzero_si256();
-    for (int t = 0; t < 8; t++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (t / 2)));
-        v = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low);
-        if (q5) {
-            __m256i bit = _mm256_and_si256(_mm256_srli_epi16(qh, t), _mm256_set1_epi8(1));
-            v = _mm256_or_si256(v, _mm256_slli_epi16(bit, 4));
-            u[t] = _mm256_slli_epi16(v, 2); /* e = 2 */
-        } else {
-            u[t] = _mm256_slli_epi16(v, 3); /* e = 3 */
-        }
-    }
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (q5 ? 48 : 16) + 32 * (t / 2)));
+    v = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+    if (!q5)
+        return _mm256_slli_epi16(v, 3); /* e = 3 */
+    __m256i bit = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16)), t),
+                                   _mm256_set1_epi8(1));
+    return _mm256_slli_epi16(_mm256_or_si256(v, _mm256_slli_epi16(bit, 4)), 2); /* e = 2 */
 }
 
 /* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
@@ -595,8 +583,7 @@ MB_KQ2_INLINE void mb_kq2_picks(__m256i pick[4]) {
 /* chunk ch of block g's half-group (g, half): the weights lanes 0-7 (half 0) or 8-15 sum */
 static inline int mb_kq2_chunk(int q6, int g, int half) { return q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half; }
 
-static MB_KQ2_TARGET void mb_kq2_one_row(const struct mb_kq_job *j, int32_t r, int32_t c0, int32_t c1) {
-    const int32_t type = j->a.type;
+MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type, int32_t r, int32_t c0, int32_t c1) {
     const int q6 = type == MB_GGML_Q6_K;
     const int64_t bb = mb_kq_block_bytes(type);
     const __m256i word = _mm256_set1_epi32(0x43000000);
@@ -609,18 +596,20 @@ static MB_KQ2_TARGET void mb_kq2_one_row(const struct mb_kq_job *j, int32_t r, i
         __m256 N[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* groups 0-7, 8-15 */
         for (int32_t b = 0; b < j->blocks; b++) {
             const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
-            __m256i u[8];
-            mb_kq2_bytes(type, blk, u);
             __m256 cf[2], sv[8];
             mb_kq2_scales(type, blk, sv, cf);
             const float *xb = xw + (size_t)b * MB_QK;
+            _Pragma("GCC unroll 4")
             for (int g = 0; g < 4; g++)
+                _Pragma("GCC unroll 2")
                 for (int half = 0; half < 2; half++) {
-                    int ch = mb_kq2_chunk(q6, g, half);
+                    const int ch = mb_kq2_chunk(q6, g, half);
+                    const __m256i u = mb_kq2_chunk_bytes(type, blk, ch);
                     const float *xc = xb + 32 * ch;
                     __m256 P = _mm256_setzero_ps();
+                    _Pragma("GCC unroll 4")
                     for (int p = 0; p < 4; p++) {
-                        __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
+                        __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u, pick[p]), word));
                         P = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 8 * p), W, P);
                     }
                     A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
@@ -706,8 +695,9 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
         for (int32_t b = 0; b < j->blocks; b++) {
             for (int o = 0; o < no; o++) {
                 const uint8_t *blk = j->a.w + (size_t)(c + o) * j->a.row_bytes + (size_t)b * bb;
-                __m256i u[8];
-                mb_kq2_bytes(type, blk, u);
+                __m256i u[8]; /* all made before the stores below, which GCC cannot tell from blk */
+                for (int ch = 0; ch < 8; ch++)
+                    u[ch] = mb_kq2_chunk_bytes(type, blk, ch);
                 for (int ch = 0; ch < 8; ch++)
                     for (int p = 0; p < 4; p++)
                         wd.W[o][ch][p] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
@@ -741,8 +731,12 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
 
 static MB_KQ2_TARGET void mb_kq_run_avx2(const struct mb_kq_job *j, int32_t r0, int32_t rows, int32_t c0,
                                          int32_t c1) {
-    if (rows == 1)
-        mb_kq2_one_row(j, r0, c0, c1);
+    if (rows == 1 && j->a.type == MB_GGML_Q4_K)
+        mb_kq2_one_row(j, MB_GGML_Q4_K, r0, c0, c1);
+    else if (rows == 1 && j->a.type == MB_GGML_Q5_K)
+        mb_kq2_one_row(j, MB_GGML_Q5_K, r0, c0, c1);
+    else if (rows == 1)
+        mb_kq2_one_row(j, MB_GGML_Q6_K, r0, c0, c1);
     else if (j->a.type == MB_GGML_Q4_K)
         mb_kq2_many_rows(j, MB_GGML_Q4_K, r0, rows, c0, c1);
     else if (j->a.type == MB_GGML_Q5_K)
