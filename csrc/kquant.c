@@ -229,6 +229,32 @@ static void mb_kq_run_portable(const struct mb_kq_job *j, int32_t r0, int32_t ro
         }
 }
 
+/* ---- vector scales, shared by the AVX512-BF16 and AVX2 paths ---- */
+
+#if defined(__x86_64__) && (defined(__clang__) || defined(__GNUC__))
+#include <immintrin.h>
+
+/* Q4_K / Q5_K: a block's d * sc[j] (*dsc) and its N factors d * sc[j] * 2^(7-e) +
+ * dmin * mn[j] (*cf), j < 8. The eight 6-bit scales and mins are read as mb_k_scales reads
+ * them, 4 bytes at a time; every product is exact and cf takes one rounded add, so the
+ * bits are mb_kq_scales'. */
+static inline __attribute__((always_inline, target("avx2,f16c"))) void
+mb_kq_dsc_cf(const uint8_t *blk, const int32_t type, __m256 *dsc, __m256 *cf) {
+    uint32_t u0, u1, u2;
+    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
+    const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
+                         (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+    const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
+                         (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+    const __m256 ds = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
+    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk + 2)),
+                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
+    *dsc = ds;
+    *cf = _mm256_add_ps(_mm256_mul_ps(ds, _mm256_set1_ps(type == MB_GGML_Q5_K ? 32.0f : 16.0f)), dmn);
+}
+#endif
+
 /* ---- AVX512-BF16 path ---- */
 
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
@@ -329,19 +355,9 @@ mb_kq_block_scales(const uint8_t *blk, const int type, __m512 s[4], __m512 *cvp)
             s[g] = _mm512_permutexvar_ps(_mm512_add_epi32(quads, _mm512_set1_epi32(4 * g)), sh);
         cv = _mm512_mul_ps(s16, _mm512_set1_ps(96.0f));
     } else {
-        /* the eight 6-bit scales and mins, as mb_kq_scales reads them, 4 bytes at a time */
-        uint32_t u0, u1, u2;
-        memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
-        uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
-                       (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
-        uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
-                       (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-        __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk)),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-        __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk + 2)),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-        cv = _mm512_castps256_ps512(
-            _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(type == MB_GGML_Q4_K ? 16.0f : 32.0f)), dmn));
+        __m256 dsc, cf;
+        mb_kq_dsc_cf(blk, type, &dsc, &cf);
+        cv = _mm512_castps256_ps512(cf);
         /* lanes of group g: chunk 4 (g / 2) + g % 2 eight times, then that + 2 */
         __m512 sh = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_set1_ps(unshift)));
         const __m512i halves = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -550,19 +566,8 @@ MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8],
             sv[t] = _mm256_setr_m128(_mm_broadcast_ss(sh + 2 * t), _mm_broadcast_ss(sh + 2 * t + 1));
         return;
     }
-    /* the eight 6-bit scales and mins, as mb_k_scales reads them, 4 bytes at a time */
-    uint32_t u0, u1, u2;
-    memcpy(&u0, blk + 4, 4), memcpy(&u1, blk + 8, 4), memcpy(&u2, blk + 12, 4);
-    const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu) |
-                         (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
-    const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu) |
-                         (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk)),
-                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8))));
-    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(mb_half_f16c(blk + 2)),
-                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8))));
-    const float offset = type == MB_GGML_Q5_K ? 32.0f : 16.0f; /* 2^(7-e) */
-    cf[0] = _mm256_add_ps(_mm256_mul_ps(dsc, _mm256_set1_ps(offset)), dmn);
+    __m256 dsc;
+    mb_kq_dsc_cf(blk, type, &dsc, &cf[0]);
     cf[1] = _mm256_setzero_ps();
     _mm256_store_ps(sh, _mm256_mul_ps(dsc, unshift));
     for (int t = 0; t < 8; t++)
