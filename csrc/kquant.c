@@ -632,11 +632,13 @@ MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type,
 }
 
 /* Two or more rows: an output pair's block widened once (its words as float32, 2 KB, in
- * L1) and applied to every row of the group, MR rows x NO outputs at a time: per word
- * vector NO loads and MR x loads feed MR * NO chains, the A accumulators in registers over
- * the block (15 ymm at 2 x 2) and parked between blocks, N as vectors (its lanes are
+ * L1) and applied to every row of the group, MR rows (up to 3) x NO outputs at a time:
+ * per word vector NO loads and MR x loads feed MR * NO chains. The block's two halves go
+ * one after the other (their A sums are independent), so the A accumulators in registers
+ * are one half's (15 ymm at 3 x 2), parked between halves; N as vectors (its lanes are
  * independent: the scalar rule's bits). The same arithmetic in the same order per output
- * as the one-row loop. */
+ * as the one-row loop. Each MR x NO sweep is its own function: inlined together into
+ * the caller, GCC kept their row addresses on the stack. */
 struct mb_kq2_wide {
     __m256 W[2][8][4]; /* [output][chunk][p] */
     __m256 sv[2][8];
@@ -646,40 +648,69 @@ struct mb_kq2_wide {
 MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, const float *xw, int64_t k,
                                 const float *xs, int64_t ldxs, int32_t b, __m256 A[][2][2], __m256 N[][2][2],
                                 const int MR, const int NO) {
-    __m256 a[2][2][2];
-    for (int r = 0; r < MR; r++)
-        for (int o = 0; o < NO; o++)
-            a[r][o][0] = A[r][o][0], a[r][o][1] = A[r][o][1];
-    for (int g = 0; g < 4; g++)
-        for (int half = 0; half < 2; half++) {
+    _Pragma("GCC unroll 2")
+    for (int half = 0; half < 2; half++) {
+        __m256 a[3][2];
+        _Pragma("GCC unroll 3")
+        for (int r = 0; r < MR; r++)
+            _Pragma("GCC unroll 2")
+            for (int o = 0; o < NO; o++)
+                a[r][o] = A[r][o][half];
+        _Pragma("GCC unroll 4")
+        for (int g = 0; g < 4; g++) {
             const int ch = mb_kq2_chunk(q6, g, half);
-            __m256 P[2][2];
+            __m256 P[3][2];
+            _Pragma("GCC unroll 3")
             for (int r = 0; r < MR; r++)
+                _Pragma("GCC unroll 2")
                 for (int o = 0; o < NO; o++)
                     P[r][o] = _mm256_setzero_ps();
+            _Pragma("GCC unroll 4")
             for (int p = 0; p < 4; p++) {
                 __m256 w[2];
+                _Pragma("GCC unroll 2")
                 for (int o = 0; o < NO; o++)
                     w[o] = wd->W[o][ch][p];
+                _Pragma("GCC unroll 3")
                 for (int r = 0; r < MR; r++) {
                     __m256 xv = _mm256_loadu_ps(xw + r * k + (size_t)b * MB_QK + 32 * ch + 8 * p);
+                    _Pragma("GCC unroll 2")
                     for (int o = 0; o < NO; o++)
                         P[r][o] = _mm256_fmadd_ps(xv, w[o], P[r][o]);
                 }
             }
+            _Pragma("GCC unroll 3")
             for (int r = 0; r < MR; r++)
+                _Pragma("GCC unroll 2")
                 for (int o = 0; o < NO; o++)
-                    a[r][o][half] = _mm256_add_ps(a[r][o][half], _mm256_mul_ps(wd->sv[o][ch], P[r][o]));
+                    a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wd->sv[o][ch], P[r][o]));
         }
+        _Pragma("GCC unroll 3")
+        for (int r = 0; r < MR; r++)
+            _Pragma("GCC unroll 2")
+            for (int o = 0; o < NO; o++)
+                A[r][o][half] = a[r][o];
+    }
+    _Pragma("GCC unroll 3")
     for (int r = 0; r < MR; r++)
-        for (int o = 0; o < NO; o++) {
-            A[r][o][0] = a[r][o][0], A[r][o][1] = a[r][o][1];
+        _Pragma("GCC unroll 2")
+        for (int o = 0; o < NO; o++)
+            _Pragma("GCC unroll 2")
             for (int i = 0; i < (q6 ? 2 : 1); i++) {
                 __m256 x8 = _mm256_loadu_ps(xs + r * ldxs + (size_t)b * (q6 ? 16 : 8) + 8 * i);
                 N[r][o][i] = _mm256_add_ps(N[r][o][i], _mm256_mul_ps(wd->cf[o][i], x8));
             }
-        }
 }
+
+#define MB_KQ2_SWEEP_FN(MR, NO) \
+    static __attribute__((noinline)) MB_KQ2_TARGET void mb_kq2_sweep_##MR##_##NO( \
+        const struct mb_kq2_wide *wd, const int q6, const float *xw, int64_t k, const float *xs, int64_t ldxs, \
+        int32_t b, __m256 A[][2][2], __m256 N[][2][2]) { \
+        mb_kq2_sweep(wd, q6, xw, k, xs, ldxs, b, A, N, MR, NO); \
+    }
+MB_KQ2_SWEEP_FN(3, 2) MB_KQ2_SWEEP_FN(2, 2) MB_KQ2_SWEEP_FN(1, 2)
+MB_KQ2_SWEEP_FN(3, 1) MB_KQ2_SWEEP_FN(2, 1) MB_KQ2_SWEEP_FN(1, 1)
+#undef MB_KQ2_SWEEP_FN
 
 MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t type, int32_t r0, int32_t rows,
                                     int32_t c0, int32_t c1) {
@@ -700,6 +731,10 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
         for (int32_t b = 0; b < j->blocks; b++) {
             for (int o = 0; o < no; o++) {
                 const uint8_t *blk = j->a.w + (size_t)(c + o) * j->a.row_bytes + (size_t)b * bb;
+                /* A block's lines, ~7 blocks ahead in its row: a block's widening waits on its
+                 * first load otherwise, since the sweeps between fill the reorder window */
+                for (int l = 0; l < 256; l += 64)
+                    _mm_prefetch((const char *)blk + 1024 + l, _MM_HINT_T0);
                 __m256i u[8]; /* all made before the stores below, which GCC cannot tell from blk */
                 for (int ch = 0; ch < 8; ch++)
                     u[ch] = mb_kq2_chunk_bytes(type, blk, ch);
@@ -708,17 +743,15 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
                         wd.W[o][ch][p] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[ch], pick[p]), word));
                 mb_kq2_scales(type, blk, wd.sv[o], wd.cf[o]);
             }
-            for (int32_t r = 0; r < rows; r += 2) {
+            for (int32_t r = 0; r < rows;) {
                 const float *xr = xw + (size_t)r * j->a.k, *sr = xs + (size_t)r * j->ldxs;
-#define MB_KQ2_SWEEP(MR, NO) mb_kq2_sweep(&wd, q6, xr, j->a.k, sr, j->ldxs, b, A + r, N + r, MR, NO)
-                if (rows - r >= 2 && no == 2)
-                    MB_KQ2_SWEEP(2, 2);
-                else if (rows - r >= 2)
-                    MB_KQ2_SWEEP(2, 1);
-                else if (no == 2)
-                    MB_KQ2_SWEEP(1, 2);
+                const int mr = rows - r >= 3 ? 3 : rows - r;
+#define MB_KQ2_SWEEP(MR, NO) mb_kq2_sweep_##MR##_##NO(&wd, q6, xr, j->a.k, sr, j->ldxs, b, A + r, N + r)
+                if (no == 2)
+                    mr == 3 ? MB_KQ2_SWEEP(3, 2) : mr == 2 ? MB_KQ2_SWEEP(2, 2) : MB_KQ2_SWEEP(1, 2);
                 else
-                    MB_KQ2_SWEEP(1, 1);
+                    mr == 3 ? MB_KQ2_SWEEP(3, 1) : mr == 2 ? MB_KQ2_SWEEP(2, 1) : MB_KQ2_SWEEP(1, 1);
+                r += mr;
 #undef MB_KQ2_SWEEP
             }
         }
