@@ -695,7 +695,6 @@ MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, cons
     for (int r = 0; r < MR; r++)
         _Pragma("GCC unroll 2")
         for (int o = 0; o < NO; o++)
-            _Pragma("GCC unroll 2")
             for (int i = 0; i < (q6 ? 2 : 1); i++) {
                 __m256 x8 = _mm256_loadu_ps(xs + r * ldxs + (size_t)b * (q6 ? 16 : 8) + 8 * i);
                 N[r][o][i] = _mm256_add_ps(N[r][o][i], _mm256_mul_ps(wd->cf[o][i], x8));
