@@ -632,13 +632,15 @@ MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type,
 }
 
 /* Two or more rows: an output pair's block widened once (its words as float32, 2 KB, in
- * L1) and applied to every row of the group, MR rows (up to 3) x NO outputs at a time:
+ * L1) and applied to every row of the group, MR rows (up to MB_KQ2_MR) x NO outputs at a time:
  * per word vector NO loads and MR x loads feed MR * NO chains. The block's two halves go
  * one after the other (their A sums are independent), so the A accumulators in registers
  * are one half's (15 ymm at 3 x 2), parked between halves; N as vectors (its lanes are
  * independent: the scalar rule's bits). The same arithmetic in the same order per output
  * as the one-row loop. Each MR x NO sweep is its own function: inlined together into
  * the caller, GCC kept their row addresses on the stack. */
+#define MB_KQ2_MR 3 /* rows a sweep at most: 6 P + 6 A + 2 w + 1 x = 15 ymm at 3 x 2 */
+
 struct mb_kq2_wide {
     __m256 W[2][8][4]; /* [output][chunk][p] */
     __m256 sv[2][8];
@@ -650,7 +652,7 @@ MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, cons
                                 const int MR, const int NO) {
     _Pragma("GCC unroll 2")
     for (int half = 0; half < 2; half++) {
-        __m256 a[3][2];
+        __m256 a[MB_KQ2_MR][2];
         _Pragma("GCC unroll 3")
         for (int r = 0; r < MR; r++)
             _Pragma("GCC unroll 2")
@@ -659,7 +661,7 @@ MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, cons
         _Pragma("GCC unroll 4")
         for (int g = 0; g < 4; g++) {
             const int ch = mb_kq2_chunk(q6, g, half);
-            __m256 P[3][2];
+            __m256 P[MB_KQ2_MR][2];
             _Pragma("GCC unroll 3")
             for (int r = 0; r < MR; r++)
                 _Pragma("GCC unroll 2")
@@ -730,7 +732,7 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
         for (int32_t b = 0; b < j->blocks; b++) {
             for (int o = 0; o < no; o++) {
                 const uint8_t *blk = j->a.w + (size_t)(c + o) * j->a.row_bytes + (size_t)b * bb;
-                /* A block's lines, ~7 blocks ahead in its row: a block's widening waits on its
+                /* A block's lines, 1 KB (5-7 blocks) ahead in its row: a block's widening waits on its
                  * first load otherwise, since the sweeps between fill the reorder window */
                 for (int l = 0; l < 256; l += 64)
                     _mm_prefetch((const char *)blk + 1024 + l, _MM_HINT_T0);
@@ -744,7 +746,7 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
             }
             for (int32_t r = 0; r < rows;) {
                 const float *xr = xw + (size_t)r * j->a.k, *sr = xs + (size_t)r * j->ldxs;
-                const int mr = rows - r >= 3 ? 3 : rows - r;
+                const int mr = rows - r >= MB_KQ2_MR ? MB_KQ2_MR : rows - r;
 #define MB_KQ2_SWEEP(MR, NO) mb_kq2_sweep_##MR##_##NO(&wd, q6, xr, j->a.k, sr, j->ldxs, b, A + r, N + r)
                 if (no == 2)
                     mr == 3 ? MB_KQ2_SWEEP(3, 2) : mr == 2 ? MB_KQ2_SWEEP(2, 2) : MB_KQ2_SWEEP(1, 2);
