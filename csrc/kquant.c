@@ -508,6 +508,9 @@ static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int 
 
 #define MB_KQ2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define MB_KQ2_INLINE static inline __attribute__((always_inline)) MB_KQ2_TARGET
+/* v in a register here: without it GCC ran the one-row loop's chains first and spilled them to
+ * do the A adds last */
+#define MB_KQ2_PIN(v) __asm__ volatile("" : "+x"(v))
 
 static const int mb_kq2_order[4] = {2, 0, 3, 1}; /* a lane's weights, in its chain's order */
 
@@ -533,14 +536,15 @@ MB_KQ2_INLINE __m256i mb_kq2_chunk_bytes(const int32_t type, const uint8_t *blk,
                                       _mm256_set1_epi8(3));
         return _mm256_slli_epi16(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), 1); /* e = 1 */
     }
-    const int q5 = type == MB_GGML_Q5_K;
-    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (q5 ? 48 : 16) + 32 * (t / 2)));
+    if (type == MB_GGML_Q4_K) { /* e = 3: each nibble into bits 3-6 of its byte, one shift and one and */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (t / 2)));
+        return _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 1) : _mm256_slli_epi16(v, 3), _mm256_set1_epi8(0x78));
+    }
+    __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 48 + 32 * (t / 2)));
     v = _mm256_and_si256(t % 2 ? _mm256_srli_epi16(v, 4) : v, low);
-    if (!q5)
-        return _mm256_slli_epi16(v, 3); /* e = 3 */
     __m256i bit = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(blk + 16)), t),
                                    _mm256_set1_epi8(1));
-    return _mm256_slli_epi16(_mm256_or_si256(v, _mm256_slli_epi16(bit, 4)), 2); /* e = 2 */
+    return _mm256_slli_epi16(_mm256_or_si256(v, _mm256_slli_epi16(bit, 4)), 2); /* Q5_K, e = 2 */
 }
 
 /* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
@@ -588,39 +592,80 @@ MB_KQ2_INLINE void mb_kq2_picks(__m256i pick[4]) {
 /* chunk ch of block g's half-group (g, half): the weights lanes 0-7 (half 0) or 8-15 sum */
 static inline int mb_kq2_chunk(int q6, int g, int half) { return q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half; }
 
+/* One row's block terms ahead of its chunks: block blk's N terms added to N (xsb its X32 or
+ * X16) and its chunk scales s written to ring (Q4_K, Q5_K: ring[t], broadcast at use; Q6_K:
+ * ring[8t .. 8t+7], chunk t's lanes). The loop stages block b + 1 before block b's chunks, so
+ * the chunks read s from stores long done: held in registers, a block's eight s pushed the
+ * loop past 16 ymm and it spilled its accumulators; read back at once, they waited on the
+ * stores. N goes block by block in order, as the rule adds it. */
+MB_KQ2_INLINE void mb_kq2_stage(const int32_t type, const uint8_t *blk, const float *xsb, float *ring, __m256 N[2]) {
+    const __m256 unshift = _mm256_set1_ps(1.0f / (float)(1 << mb_kq_shift(type)));
+    if (type == MB_GGML_Q6_K) {
+        const __m256 d = _mm256_set1_ps(mb_half_f16c(blk + 208));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
+        const __m256 s[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
+        for (int i = 0; i < 2; i++) {
+            N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(_mm256_mul_ps(s[i], _mm256_set1_ps(96.0f)), _mm256_loadu_ps(xsb + 8 * i)));
+            const __m256 su = _mm256_mul_ps(s[i], unshift);
+            for (int t = 0; t < 4; t++) /* lanes 0-3 sub-block 2t's s, 4-7 sub-block 2t + 1's */
+                _mm256_store_ps(ring + 32 * i + 8 * t,
+                                _mm256_permutevar8x32_ps(su, _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                                                               2 * t + 1, 2 * t + 1, 2 * t + 1)));
+        }
+        return;
+    }
+    __m256 dsc, cf;
+    mb_kq_dsc_cf(blk, type, &dsc, &cf);
+    N[0] = _mm256_add_ps(N[0], _mm256_mul_ps(cf, _mm256_loadu_ps(xsb)));
+    _mm256_store_ps(ring, _mm256_mul_ps(dsc, unshift));
+}
+
 MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type, int32_t r, int32_t c0, int32_t c1) {
     const int q6 = type == MB_GGML_Q6_K;
-    const int64_t bb = mb_kq_block_bytes(type);
+    const int64_t bb = mb_kq_block_bytes(type), ldb = q6 ? 16 : 8;
     const __m256i word = _mm256_set1_epi32(0x43000000);
     __m256i pick[4];
     mb_kq2_picks(pick);
+    const float *xw = j->xw + (size_t)r * j->a.k;
+    const float *xs = j->xs + (size_t)r * j->ldxs;
+    float ring[2][64] __attribute__((aligned(32)));
     for (int32_t c = c0; c < c1; c++) {
-        const float *xw = j->xw + (size_t)r * j->a.k;
-        const float *xs = j->xs + (size_t)r * j->ldxs;
+        const uint8_t *row = j->a.w + (size_t)c * j->a.row_bytes;
         __m256 A[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         __m256 N[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}; /* groups 0-7, 8-15 */
+        mb_kq2_stage(type, row, xs, ring[0], N);
         for (int32_t b = 0; b < j->blocks; b++) {
-            const uint8_t *blk = j->a.w + (size_t)c * j->a.row_bytes + (size_t)b * bb;
-            __m256 cf[2], sv[8];
-            mb_kq2_scales(type, blk, sv, cf);
-            const float *xb = xw + (size_t)b * MB_QK;
+            const uint8_t *blk = row + (size_t)b * bb;
+            if (b + 1 < j->blocks)
+                mb_kq2_stage(type, blk + bb, xs + (size_t)(b + 1) * ldb, ring[(b + 1) & 1], N);
+            const float *sr = ring[b & 1], *xb = xw + (size_t)b * MB_QK;
             _Pragma("GCC unroll 4")
-            for (int g = 0; g < 4; g++)
+            for (int q = 0; q < 4; q++) {
+                /* chunks 2q and 2q + 1 (Q4_K: one byte load), their chains of four dependent fmas
+                 * interleaved, so that fewer ops wait in the scheduler on the one before; A[half] is
+                 * the sum mb_kq2_chunk puts the chunk in, and takes its chunks in the rule's order */
+                __m256i u[2];
+                __m256 P[2];
                 _Pragma("GCC unroll 2")
-                for (int half = 0; half < 2; half++) {
-                    const int ch = mb_kq2_chunk(q6, g, half);
-                    const __m256i u = mb_kq2_chunk_bytes(type, blk, ch);
-                    const float *xc = xb + 32 * ch;
-                    __m256 P = _mm256_setzero_ps();
-                    _Pragma("GCC unroll 4")
-                    for (int p = 0; p < 4; p++) {
-                        __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u, pick[p]), word));
-                        P = _mm256_fmadd_ps(_mm256_loadu_ps(xc + 8 * p), W, P);
+                for (int i = 0; i < 2; i++)
+                    u[i] = mb_kq2_chunk_bytes(type, blk, 2 * q + i), P[i] = _mm256_setzero_ps();
+                _Pragma("GCC unroll 4")
+                for (int p = 0; p < 4; p++)
+                    _Pragma("GCC unroll 2")
+                    for (int i = 0; i < 2; i++) {
+                        __m256 W = _mm256_castsi256_ps(_mm256_or_si256(_mm256_shuffle_epi8(u[i], pick[p]), word));
+                        P[i] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 32 * (2 * q + i) + 8 * p), W, P[i]);
                     }
-                    A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv[ch], P));
+                _Pragma("GCC unroll 2")
+                for (int i = 0; i < 2; i++) {
+                    const int ch = 2 * q + i, half = q6 ? i : q % 2;
+                    MB_KQ2_PIN(P[i]);
+                    const __m256 sv = q6 ? _mm256_load_ps(sr + 8 * ch) : _mm256_broadcast_ss(sr + ch);
+                    A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv, P[i]));
+                    MB_KQ2_PIN(A[half]);
                 }
-            for (int i = 0; i < (q6 ? 2 : 1); i++)
-                N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(cf[i], _mm256_loadu_ps(xs + (size_t)b * (q6 ? 16 : 8) + 8 * i)));
+            }
         }
         float lanes[16], n[16];
         _mm256_storeu_ps(lanes, A[0]);
