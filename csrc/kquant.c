@@ -589,8 +589,10 @@ MB_KQ2_INLINE void mb_kq2_picks(__m256i pick[4]) {
     }
 }
 
-/* chunk ch of block g's half-group (g, half): the weights lanes 0-7 (half 0) or 8-15 sum */
-static inline int mb_kq2_chunk(int q6, int g, int half) { return q6 ? 2 * g + half : 4 * (g / 2) + g % 2 + 2 * half; }
+/* The A sum (lanes 0-7 or 8-15 of the rule's 16) chunk ch's weights go to. Each takes its
+ * chunks in increasing ch: group g of the rule is chunk pair g / 2 (Q4_K, Q5_K) or the
+ * chunks 2g, 2g + 1 (Q6_K). */
+static inline int mb_kq2_half(int q6, int ch) { return q6 ? ch % 2 : (ch / 2) % 2; }
 
 /* One row's block terms ahead of its chunks: block blk's N terms added to N (xsb its X32 or
  * X16) and its chunk scales s written to ring (Q4_K, Q5_K: ring[t], broadcast at use; Q6_K:
@@ -643,8 +645,7 @@ MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type,
             _Pragma("GCC unroll 4")
             for (int q = 0; q < 4; q++) {
                 /* chunks 2q and 2q + 1 (Q4_K: one byte load), their chains of four dependent fmas
-                 * interleaved, so that fewer ops wait in the scheduler on the one before; A[half] is
-                 * the sum mb_kq2_chunk puts the chunk in, and takes its chunks in the rule's order */
+                 * interleaved, so that fewer ops wait in the scheduler on the one before */
                 __m256i u[2];
                 __m256 P[2];
                 _Pragma("GCC unroll 2")
@@ -659,7 +660,7 @@ MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type,
                     }
                 _Pragma("GCC unroll 2")
                 for (int i = 0; i < 2; i++) {
-                    const int ch = 2 * q + i, half = q6 ? i : q % 2;
+                    const int ch = 2 * q + i, half = mb_kq2_half(q6, ch);
                     MB_KQ2_PIN(P[i]);
                     const __m256 sv = q6 ? _mm256_load_ps(sr + 8 * ch) : _mm256_broadcast_ss(sr + ch);
                     A[half] = _mm256_add_ps(A[half], _mm256_mul_ps(sv, P[i]));
@@ -678,13 +679,16 @@ MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type,
 
 /* Two or more rows: an output pair's block widened once (its words as float32, 2 KB, in
  * L1) and applied to every row of the group, MR rows (up to MB_KQ2_MR) x NO outputs at a time:
- * per word vector NO loads and MR x loads feed MR * NO chains. The block's two halves go
- * one after the other (their A sums are independent), so the A accumulators in registers
- * are one half's (15 ymm at 3 x 2), parked between halves; N as vectors (its lanes are
- * independent: the scalar rule's bits). The same arithmetic in the same order per output
- * as the one-row loop. Each MR x NO sweep is its own function: inlined together into
- * the caller, GCC kept their row addresses on the stack. */
-#define MB_KQ2_MR 3 /* rows a sweep at most: 6 P + 6 A + 2 w + 1 x = 15 ymm at 3 x 2 */
+ * per word vector NO loads and MR x loads feed MR * NO chains (8 at 4 x 2, what two FMA
+ * pipes of latency 4 need to stay busy: 11 ymm with the words and x). The A sums stay in
+ * memory (L1), each taking its chunk's s * P once the chunk's chains are done; a compiler
+ * barrier after each chunk keeps GCC from holding every chunk's P to do the A adds last,
+ * which spilled them (4 x 2 ran at half the speed of 3 x 2 with the A sums in registers
+ * before it). N as vectors (its lanes are independent: the scalar rule's bits). The same
+ * arithmetic in the same order per output as the one-row loop. Each MR x NO sweep is its
+ * own function: inlined together into the caller, GCC kept their row addresses on the
+ * stack. */
+#define MB_KQ2_MR 4 /* rows a sweep at most */
 
 struct mb_kq2_wide {
     __m256 W[2][8][4]; /* [output][chunk][p] */
@@ -693,52 +697,52 @@ struct mb_kq2_wide {
 };
 
 MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, const float *xw, int64_t k,
-                                const float *xs, int64_t ldxs, int32_t b, __m256 A[][2][2], __m256 N[][2][2],
-                                const int MR, const int NO) {
-    _Pragma("GCC unroll 2")
-    for (int half = 0; half < 2; half++) {
-        __m256 a[MB_KQ2_MR][2];
-        _Pragma("GCC unroll 3")
-        for (int r = 0; r < MR; r++)
-            _Pragma("GCC unroll 2")
-            for (int o = 0; o < NO; o++)
-                a[r][o] = A[r][o][half];
-        _Pragma("GCC unroll 4")
-        for (int g = 0; g < 4; g++) {
-            const int ch = mb_kq2_chunk(q6, g, half);
-            __m256 P[MB_KQ2_MR][2];
-            _Pragma("GCC unroll 3")
+                                const float *xs, int64_t ldxs, int32_t b, __m256 (*__restrict A)[2][2],
+                                __m256 (*__restrict N)[2][2], const int MR, const int NO) {
+    /* CH chunks at a time, their chains interleaved: two where MR x NO gives fewer than 8 */
+    const int CH = MR * NO <= 4 ? 2 : 1;
+    _Pragma("GCC unroll 8")
+    for (int c0 = 0; c0 < 8; c0 += CH) {
+        __m256 P[2][MB_KQ2_MR][2];
+        _Pragma("GCC unroll 2")
+        for (int c = 0; c < CH; c++)
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < MR; r++)
                 _Pragma("GCC unroll 2")
                 for (int o = 0; o < NO; o++)
-                    P[r][o] = _mm256_setzero_ps();
-            _Pragma("GCC unroll 4")
-            for (int p = 0; p < 4; p++) {
+                    P[c][r][o] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 4")
+        for (int p = 0; p < 4; p++)
+            _Pragma("GCC unroll 2")
+            for (int c = 0; c < CH; c++) {
+                const int ch = c0 + c;
                 __m256 w[2];
                 _Pragma("GCC unroll 2")
                 for (int o = 0; o < NO; o++)
                     w[o] = wd->W[o][ch][p];
-                _Pragma("GCC unroll 3")
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < MR; r++) {
                     __m256 xv = _mm256_loadu_ps(xw + r * k + (size_t)b * MB_QK + 32 * ch + 8 * p);
+                    MB_KQ2_PIN(xv);
                     _Pragma("GCC unroll 2")
                     for (int o = 0; o < NO; o++)
-                        P[r][o] = _mm256_fmadd_ps(xv, w[o], P[r][o]);
+                        P[c][r][o] = _mm256_fmadd_ps(xv, w[o], P[c][r][o]);
                 }
             }
-            _Pragma("GCC unroll 3")
+        _Pragma("GCC unroll 2")
+        for (int c = 0; c < CH; c++) {
+            const int ch = c0 + c, half = mb_kq2_half(q6, ch);
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < MR; r++)
                 _Pragma("GCC unroll 2")
-                for (int o = 0; o < NO; o++)
-                    a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wd->sv[o][ch], P[r][o]));
+                for (int o = 0; o < NO; o++) {
+                    MB_KQ2_PIN(P[c][r][o]);
+                    A[r][o][half] = _mm256_add_ps(A[r][o][half], _mm256_mul_ps(wd->sv[o][ch], P[c][r][o]));
+                }
         }
-        _Pragma("GCC unroll 3")
-        for (int r = 0; r < MR; r++)
-            _Pragma("GCC unroll 2")
-            for (int o = 0; o < NO; o++)
-                A[r][o][half] = a[r][o];
+        __asm__ volatile("" ::: "memory"); /* these chunks' A adds done here */
     }
-    _Pragma("GCC unroll 3")
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < MR; r++)
         _Pragma("GCC unroll 2")
         for (int o = 0; o < NO; o++)
@@ -754,8 +758,8 @@ MB_KQ2_INLINE void mb_kq2_sweep(const struct mb_kq2_wide *wd, const int q6, cons
         int32_t b, __m256 A[][2][2], __m256 N[][2][2]) { \
         mb_kq2_sweep(wd, q6, xw, k, xs, ldxs, b, A, N, MR, NO); \
     }
-MB_KQ2_SWEEP_FN(3, 2) MB_KQ2_SWEEP_FN(2, 2) MB_KQ2_SWEEP_FN(1, 2)
-MB_KQ2_SWEEP_FN(3, 1) MB_KQ2_SWEEP_FN(2, 1) MB_KQ2_SWEEP_FN(1, 1)
+MB_KQ2_SWEEP_FN(4, 2) MB_KQ2_SWEEP_FN(3, 2) MB_KQ2_SWEEP_FN(2, 2) MB_KQ2_SWEEP_FN(1, 2)
+MB_KQ2_SWEEP_FN(4, 1) MB_KQ2_SWEEP_FN(3, 1) MB_KQ2_SWEEP_FN(2, 1) MB_KQ2_SWEEP_FN(1, 1)
 #undef MB_KQ2_SWEEP_FN
 
 MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t type, int32_t r0, int32_t rows,
@@ -794,9 +798,15 @@ MB_KQ2_INLINE void mb_kq2_many_rows(const struct mb_kq_job *j, const int32_t typ
                 const int mr = rows - r >= MB_KQ2_MR ? MB_KQ2_MR : rows - r;
 #define MB_KQ2_SWEEP(MR, NO) mb_kq2_sweep_##MR##_##NO(&wd, q6, xr, j->a.k, sr, j->ldxs, b, A + r, N + r)
                 if (no == 2)
-                    mr == 3 ? MB_KQ2_SWEEP(3, 2) : mr == 2 ? MB_KQ2_SWEEP(2, 2) : MB_KQ2_SWEEP(1, 2);
+                    mr == 4   ? MB_KQ2_SWEEP(4, 2)
+                    : mr == 3 ? MB_KQ2_SWEEP(3, 2)
+                    : mr == 2 ? MB_KQ2_SWEEP(2, 2)
+                              : MB_KQ2_SWEEP(1, 2);
                 else
-                    mr == 3 ? MB_KQ2_SWEEP(3, 1) : mr == 2 ? MB_KQ2_SWEEP(2, 1) : MB_KQ2_SWEEP(1, 1);
+                    mr == 4   ? MB_KQ2_SWEEP(4, 1)
+                    : mr == 3 ? MB_KQ2_SWEEP(3, 1)
+                    : mr == 2 ? MB_KQ2_SWEEP(2, 1)
+                              : MB_KQ2_SWEEP(1, 1);
                 r += mr;
 #undef MB_KQ2_SWEEP
             }
