@@ -508,8 +508,8 @@ static MB_KQ_TARGET void mb_kq_permute_avx512(const uint16_t *x, int32_t k, int 
 
 #define MB_KQ2_TARGET __attribute__((target("avx2,fma,f16c")))
 #define MB_KQ2_INLINE static inline __attribute__((always_inline)) MB_KQ2_TARGET
-/* v in a register here: without it GCC ran the one-row loop's chains first and spilled them to
- * do the A adds last */
+/* v in a register here: without it GCC ran a block's (a sweep's chunk's) chains first and
+ * spilled them to do the A adds last */
 #define MB_KQ2_PIN(v) __asm__ volatile("" : "+x"(v))
 
 static const int mb_kq2_order[4] = {2, 0, 3, 1}; /* a lane's weights, in its chain's order */
@@ -608,7 +608,8 @@ MB_KQ2_INLINE void mb_kq2_stage(const int32_t type, const uint8_t *blk, const fl
         const __m256 s[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
                              _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
         for (int i = 0; i < 2; i++) {
-            N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(_mm256_mul_ps(s[i], _mm256_set1_ps(96.0f)), _mm256_loadu_ps(xsb + 8 * i)));
+            const __m256 cf = _mm256_mul_ps(s[i], _mm256_set1_ps(96.0f));
+            N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(cf, _mm256_loadu_ps(xsb + 8 * i)));
             const __m256 su = _mm256_mul_ps(s[i], unshift);
             for (int t = 0; t < 4; t++) /* lanes 0-3 sub-block 2t's s, 4-7 sub-block 2t + 1's */
                 _mm256_store_ps(ring + 32 * i + 8 * t,
