@@ -547,33 +547,41 @@ MB_KQ2_INLINE __m256i mb_kq2_chunk_bytes(const int32_t type, const uint8_t *blk,
     return _mm256_slli_epi16(_mm256_or_si256(v, _mm256_slli_epi16(bit, 4)), 2); /* Q5_K, e = 2 */
 }
 
-/* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
- * second's: one value but for Q6_K's two scales a chunk) and its N factors cf (groups 0-7,
- * Q6_K's 8-15 in cf[1]; zero for the others). The scales are decoded in vectors, as the
- * AVX-512 path's mb_kq_block_scales: scalar, their bytes went through the stack and were
- * read back wider, a store-forwarding stall that took a quarter of the one-row loop's
- * cycles on Zen 3. Every product is exact and each cf takes one rounded add, so the bits
- * are the scalar rule's. */
-MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8], __m256 cf[2]) {
-    const __m256 unshift = _mm256_set1_ps(1.0f / (float)(1 << mb_kq_shift(type)));
-    float sh[16] __attribute__((aligned(32)));
+/* Block blk's scales in vectors, as the AVX-512 path's mb_kq_block_scales: s[0] the eight
+ * d * sc (Q6_K: s[0], s[1] its sixteen) and the N factors cf (groups 0-7, Q6_K's 8-15 in
+ * cf[1]; zero for the others). Scalar, their bytes went through the stack and were read
+ * back wider, a store-forwarding stall that took a quarter of the one-row loop's cycles on
+ * Zen 3. Every product is exact and each cf takes one rounded add, so the bits are the
+ * scalar rule's. */
+MB_KQ2_INLINE void mb_kq2_block_s(int32_t type, const uint8_t *blk, __m256 s[2], __m256 cf[2]) {
     if (type == MB_GGML_Q6_K) {
         const __m256 d = _mm256_set1_ps(mb_half_f16c(blk + 208));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-        cf[0] = _mm256_mul_ps(s0, _mm256_set1_ps(96.0f));
-        cf[1] = _mm256_mul_ps(s1, _mm256_set1_ps(96.0f));
-        _mm256_store_ps(sh, _mm256_mul_ps(s0, unshift));
-        _mm256_store_ps(sh + 8, _mm256_mul_ps(s1, unshift));
+        s[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        s[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        for (int i = 0; i < 2; i++)
+            cf[i] = _mm256_mul_ps(s[i], _mm256_set1_ps(96.0f));
+        return;
+    }
+    mb_kq_dsc_cf(blk, type, &s[0], &cf[0]);
+    s[1] = cf[1] = _mm256_setzero_ps();
+}
+
+/* Block blk's per-chunk s (sv[t], lanes 0-3 the chunk's first 16 weights' s, 4-7 the
+ * second's: one value but for Q6_K's two scales a chunk) and its N factors cf, for the
+ * many-row widening. */
+MB_KQ2_INLINE void mb_kq2_scales(int32_t type, const uint8_t *blk, __m256 sv[8], __m256 cf[2]) {
+    const __m256 unshift = _mm256_set1_ps(1.0f / (float)(1 << mb_kq_shift(type)));
+    float sh[16] __attribute__((aligned(32)));
+    __m256 s[2];
+    mb_kq2_block_s(type, blk, s, cf);
+    _mm256_store_ps(sh, _mm256_mul_ps(s[0], unshift));
+    if (type == MB_GGML_Q6_K) {
+        _mm256_store_ps(sh + 8, _mm256_mul_ps(s[1], unshift));
         for (int t = 0; t < 8; t++)
             sv[t] = _mm256_setr_m128(_mm_broadcast_ss(sh + 2 * t), _mm_broadcast_ss(sh + 2 * t + 1));
         return;
     }
-    __m256 dsc;
-    mb_kq_dsc_cf(blk, type, &dsc, &cf[0]);
-    cf[1] = _mm256_setzero_ps();
-    _mm256_store_ps(sh, _mm256_mul_ps(dsc, unshift));
     for (int t = 0; t < 8; t++)
         sv[t] = _mm256_broadcast_ss(sh + t);
 }
@@ -602,26 +610,21 @@ static inline int mb_kq2_half(int q6, int ch) { return q6 ? ch % 2 : (ch / 2) % 
  * stores. N goes block by block in order, as the rule adds it. */
 MB_KQ2_INLINE void mb_kq2_stage(const int32_t type, const uint8_t *blk, const float *xsb, float *ring, __m256 N[2]) {
     const __m256 unshift = _mm256_set1_ps(1.0f / (float)(1 << mb_kq_shift(type)));
-    if (type == MB_GGML_Q6_K) {
-        const __m256 d = _mm256_set1_ps(mb_half_f16c(blk + 208));
-        const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 192));
-        const __m256 s[2] = {_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
-                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))};
-        for (int i = 0; i < 2; i++) {
-            const __m256 cf = _mm256_mul_ps(s[i], _mm256_set1_ps(96.0f));
-            N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(cf, _mm256_loadu_ps(xsb + 8 * i)));
-            const __m256 su = _mm256_mul_ps(s[i], unshift);
-            for (int t = 0; t < 4; t++) /* lanes 0-3 sub-block 2t's s, 4-7 sub-block 2t + 1's */
-                _mm256_store_ps(ring + 32 * i + 8 * t,
-                                _mm256_permutevar8x32_ps(su, _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
-                                                                               2 * t + 1, 2 * t + 1, 2 * t + 1)));
-        }
+    __m256 s[2], cf[2];
+    mb_kq2_block_s(type, blk, s, cf);
+    for (int i = 0; i < (type == MB_GGML_Q6_K ? 2 : 1); i++)
+        N[i] = _mm256_add_ps(N[i], _mm256_mul_ps(cf[i], _mm256_loadu_ps(xsb + 8 * i)));
+    if (type != MB_GGML_Q6_K) {
+        _mm256_store_ps(ring, _mm256_mul_ps(s[0], unshift));
         return;
     }
-    __m256 dsc, cf;
-    mb_kq_dsc_cf(blk, type, &dsc, &cf);
-    N[0] = _mm256_add_ps(N[0], _mm256_mul_ps(cf, _mm256_loadu_ps(xsb)));
-    _mm256_store_ps(ring, _mm256_mul_ps(dsc, unshift));
+    for (int i = 0; i < 2; i++) {
+        const __m256 su = _mm256_mul_ps(s[i], unshift);
+        for (int t = 0; t < 4; t++) /* lanes 0-3 sub-block 2t's s, 4-7 sub-block 2t + 1's */
+            _mm256_store_ps(ring + 32 * i + 8 * t,
+                            _mm256_permutevar8x32_ps(su, _mm256_setr_epi32(2 * t, 2 * t, 2 * t, 2 * t, 2 * t + 1,
+                                                                           2 * t + 1, 2 * t + 1, 2 * t + 1)));
+    }
 }
 
 MB_KQ2_INLINE void mb_kq2_one_row(const struct mb_kq_job *j, const int32_t type, int32_t r, int32_t c0, int32_t c1) {
