@@ -232,7 +232,7 @@ int mb_q_linear_tiles(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t
                       const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                       int32_t y_mode, int64_t ldy, void *parallel, int32_t threads);
 
-/* 1 when mb_q_linear_lanes runs here: a CPU with AVX512-BF16 (csrc/lanes.c). */
+/* 1 when mb_q_linear_lanes runs here: a CPU with AVX512-BF16, or AVX2 and FMA (csrc/lanes.c). */
 int mb_lanes_supported(void);
 
 /* mb_q_linear's y on vdpbf16ps lanes, by the lanes rule (csrc/lanes.c states it): the
@@ -240,8 +240,9 @@ int mb_lanes_supported(void);
  * products per output, so other bits than mb_q_linear's and mb_q_linear_tiles', and as
  * batch invariant. Every block type mb_q_linear takes; the same arguments, kernel
  * MB_KERNEL_AVX512BF16 (Q8_0 widened through byte lookups where mb_q_vbmi_widening() is
- * 1) or MB_KERNEL_AVX512BF16_INT32 (through int32, as on AVX512-BF16 CPUs without VBMI;
- * the same bits). MB_EINVAL where mb_lanes_supported() is 0, or for another kernel. */
+ * 1), MB_KERNEL_AVX512BF16_INT32 (through int32, as on AVX512-BF16 CPUs without VBMI) or
+ * MB_KERNEL_AVX2 (vdpbf16ps emulated by fused multiply-adds, where mb_avx2_supported());
+ * the same bits. MB_EINVAL for a kernel that does not run here, or another kernel. */
 int mb_q_linear_lanes(int32_t type, const uint8_t *w, int64_t row_bytes, int32_t n, int32_t k,
                       const uint16_t *x, int64_t ldx, int32_t m, const float *bias, void *y,
                       int32_t y_mode, int64_t ldy, int32_t kernel, void *parallel, int32_t threads);

@@ -790,14 +790,24 @@ def q_linear_tiles_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: in
 
 
 def lanes_supported() -> bool:
-    """mb_q_linear_lanes runs here (a CPU with AVX512-BF16)."""
+    """mb_q_linear_lanes runs here (a CPU with AVX512-BF16, or AVX2 and FMA)."""
     return _lib is not None and bool(_lib.mb_lanes_supported())
+
+
+def lanes_kernels() -> list[int]:
+    """The kernels mb_q_linear_lanes takes here, fastest first: KERNEL_AVX512BF16 and
+    KERNEL_AVX512BF16_INT32 where AVX512-BF16 runs, KERNEL_AVX2 where AVX2 and FMA do."""
+    if _lib is None:
+        return []
+    fast = [KERNEL_AVX512BF16, KERNEL_AVX512BF16_INT32] if bf16_kernel() == KERNEL_AVX512BF16 else []
+    return fast + ([KERNEL_AVX2] if avx2_supported() else [])
 
 
 def q_linear_lanes_ptr(qtype: int, w: int, row_bytes: int, n: int, k: int, x: int, ldx: int, m: int,
                        bias: int, y: int, y_mode: int, ldy: int, kernel: int, parallel: int, threads: int) -> None:
     """mb_q_linear_lanes on addresses, as q_linear_tiles_ptr's; kernel KERNEL_AVX512BF16 (Q8_0
-    through byte lookups where the CPU has VBMI) or KERNEL_AVX512BF16_INT32 (through int32)."""
+    through byte lookups where the CPU has VBMI), KERNEL_AVX512BF16_INT32 (through int32) or
+    KERNEL_AVX2 (vdpbf16ps emulated by fused multiply-adds; the same bits)."""
     _prompt_ptr(_lib.mb_q_linear_lanes, "q_linear_lanes", (kernel,), qtype, w, row_bytes, n, k, x, ldx, m, bias, y,
                 y_mode, ldy, parallel, threads)
 
@@ -830,10 +840,12 @@ def q_linear_tiles(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | 
 
 def q_linear_lanes(qtype: int, w: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
                    y_f32: bool = False, add_to: np.ndarray | None = None, parallel: int = 0,
-                   threads: int = 1, kernel: int = KERNEL_AVX512BF16) -> np.ndarray:
-    """native_ref.q_linear_lanes through the vdpbf16ps lanes kernel (where
-    lanes_supported(); else the reference), as q_linear_tiles'; kernel as
-    q_linear_lanes_ptr's."""
+                   threads: int = 1, kernel: int | None = None) -> np.ndarray:
+    """native_ref.q_linear_lanes through the lanes kernel (where lanes_supported(); else
+    the reference), as q_linear_tiles'; kernel as q_linear_lanes_ptr's (None: the fastest
+    here, lanes_kernels()[0])."""
+    if kernel is None:
+        kernel = (lanes_kernels() or [KERNEL_AVX512BF16])[0]
     return _q_prompt(lanes_supported(), native_ref.q_linear_lanes, q_linear_lanes_ptr, (kernel,), qtype, w, x, bias,
                      y_f32, add_to, parallel, threads)
 

@@ -1,5 +1,6 @@
 """Prompt rows of the GGUF linears by their own rules: the tile rule on AMX tiles
-(csrc/amx.c) and the lanes rule on vdpbf16ps lanes (csrc/lanes.c). Each kernel against
+(csrc/amx.c) and the lanes rule on vdpbf16ps lanes (csrc/lanes.c; emulated by fused
+multiply-adds on its AVX2 path). Each kernel against
 its reference (native_ref.q_linear_tiles, q_linear_lanes) bit for bit on every block type
 (the references built on gguf-py's dequantization), the parts against gguf's values, and
 batch invariance (a row's bits never depend on m, its neighbours or the threads). A
@@ -27,7 +28,7 @@ RULES = {
 RUNS = {"tiles": native.amx_supported(), "lanes": native.lanes_supported()}
 rules = pytest.mark.parametrize("rule", [
     pytest.param("tiles", marks=pytest.mark.skipif(not RUNS["tiles"], reason="no AMX-BF16 tiles on this CPU (or OS)")),
-    pytest.param("lanes", marks=pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 on this CPU")),
+    pytest.param("lanes", marks=pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 or AVX2 on this CPU")),
 ])
 
 
@@ -124,20 +125,36 @@ def test_bad_shapes_are_refused_before_c(rule):
     w = _rows(np.random.default_rng(0), native.Q4_K, 4, 1)
     with pytest.raises(ValueError, match="w must be"):
         kernel(native.Q4_K, w, np.zeros((2, 128), np.uint16))
-    kernel_arg = (native.KERNEL_AVX512BF16,) if rule == "lanes" else ()
+    kernel_arg = (native.lanes_kernels()[0],) if rule == "lanes" else ()
     with pytest.raises(ValueError, match=f"q_linear_{rule}"):  # C's own check: ldx < k
         ptr(native.Q4_K, w.ctypes.data, w.shape[1], 4, 256, 0, 100, 2, 0, 0, 0, 4, *kernel_arg, 0, 1)
 
 
-# The lanes' two Q8_0 widenings: kernel KERNEL_AVX512BF16 takes the byte lookups where the
-# CPU has VBMI (native.q_vbmi_widening() == 1), KERNEL_AVX512BF16_INT32 the widening every
-# AVX512-BF16 CPU runs (csrc/widen.h's); the same bits, the reference's
-LANES_KERNELS = [native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX512BF16]
-lanes_only = pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 on this CPU")
+# The lanes' kernels that run here: on AVX512-BF16, KERNEL_AVX512BF16 takes Q8_0's byte
+# lookups where the CPU has VBMI (native.q_vbmi_widening() == 1), KERNEL_AVX512BF16_INT32
+# the widening every AVX512-BF16 CPU runs (csrc/widen.h's); KERNEL_AVX2 the AVX2 path
+# (rows in the lanes, its own widening), on AVX-512 CPUs too; the same bits, the reference's
+LANES_KERNELS = native.lanes_kernels()
+KERNEL_IDS = {native.KERNEL_AVX512BF16: "avx512bf16", native.KERNEL_AVX512BF16_INT32: "int32",
+              native.KERNEL_AVX2: "avx2"}
+lanes_only = pytest.mark.skipif(not RUNS["lanes"], reason="no AVX512-BF16 or AVX2 on this CPU")
+lanes_kernels = pytest.mark.parametrize("kernel", LANES_KERNELS, ids=[KERNEL_IDS[k] for k in LANES_KERNELS])
 
 
 @lanes_only
-@pytest.mark.parametrize("kernel", LANES_KERNELS, ids=["int32", "avx512bf16"])
+@lanes_kernels
+@settings(max_examples=60, deadline=None)
+@given(problem=_problem())
+def test_every_lanes_kernel_matches_the_reference(kernel, problem):
+    """Each kernel the lanes take here, on every block type (the rule test above runs the
+    fastest only)."""
+    qtype, w, x, bias, y_f32, add_to = problem
+    want = native_ref.q_linear_lanes(qtype, w, x, bias, y_f32, add_to)
+    assert _same(native.q_linear_lanes(qtype, w, x, bias, y_f32, add_to, kernel=kernel), want)
+
+
+@lanes_only
+@lanes_kernels
 @settings(max_examples=60, deadline=None)
 @given(problem=_problem(types=(native.Q8_0,)))
 def test_lanes_q8_0_routes_match_the_reference(kernel, problem):
@@ -168,6 +185,7 @@ def test_lanes_q8_0_every_integer_widens_exactly():
 @lanes_only
 def test_lanes_refuse_a_kernel_they_do_not_run():
     w = _rows(np.random.default_rng(0), native.Q8_0, 4, 1)
-    for kernel in (native.KERNEL_PORTABLE, 0, 99):
+    others = [k for k in (native.KERNEL_AVX512BF16, native.KERNEL_AVX512BF16_INT32) if k not in LANES_KERNELS]
+    for kernel in (native.KERNEL_PORTABLE, 0, 99, *others):  # AVX-512's on an AVX2-only CPU
         with pytest.raises(ValueError, match="q_linear_lanes"):
             native.q_linear_lanes(native.Q8_0, w, np.zeros((2, 32), np.uint16), kernel=kernel)

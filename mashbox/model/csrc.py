@@ -383,10 +383,12 @@ def q_linear_lanes(qtype: int, w: torch.Tensor, n: int, k: int, x: torch.Tensor,
                    y: torch.Tensor, mode: int, kernel: int) -> None:
     """q_linear's y by the lanes rule on vdpbf16ps lanes (csrc/lanes.c): the prompt rows'
     kernel where AMX tiles are missing, where native.lanes_supported(). kernel: the decode
-    rows' (q_linear's): KERNEL_AVX512BF16_INT32 widens Q8_0 through int32 here too, any
-    other through byte lookups where the CPU has VBMI (the same bits either way)."""
+    rows' (q_linear's): KERNEL_AVX2 runs the lanes' AVX2 path (vdpbf16ps emulated),
+    KERNEL_AVX512BF16_INT32 widens Q8_0 through int32 here too, any other through byte
+    lookups where the CPU has VBMI (the same bits each way)."""
     args = _q_call(qtype, w, n, k, x, bias, y, mode)
     if args:
-        lanes = kernel if kernel == native.KERNEL_AVX512BF16_INT32 else native.KERNEL_AVX512BF16
+        lanes = (kernel if kernel in (native.KERNEL_AVX512BF16_INT32, native.KERNEL_AVX2)
+                 else native.KERNEL_AVX512BF16)
         native.q_linear_lanes_ptr(*args, lanes, _PARALLEL if _PARALLEL is not None else parallel(),
                                   torch.get_num_threads())

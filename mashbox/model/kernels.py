@@ -7,12 +7,17 @@ Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs her
   take "csrc".
 - attention: decode rows (Batch.row_decode) on csrc's attention ("csrc":
   model/attention.py), prompt rows on its causal prefill kernel too where the model fits
-  it (attention.prefill_supported; else SDPA for them), or both on SDPA ("sdpa").
+  it (attention.prefill_supported; else SDPA for them), or both on SDPA ("sdpa"). "auto"
+  takes csrc where the linears' kernel is AVX512-BF16 or named, and for weights gguf on
+  the AVX2 kernel, where torch's bfloat16 is emulated and csrc's portable decode
+  attention outruns SDPA (its prompt rows stay on SDPA there: see prefill).
 - prefill: where attention "csrc" sends prompt rows: csrc's causal prefill kernel
   ("csrc", vdpbf16ps) or SDPA ("sdpa", masked and padded as the SDPA path's rows).
   "auto" takes SDPA on a CPU with AMX-BF16 tiles, where oneDNN's bfloat16 gemms under
   SDPA run on them and outrun the vdpbf16ps kernel (benchmarks/prefill.py --profile
-  prints both), else csrc. Either keeps chunked prefill batch invariant.
+  prints both), and where csrc's attention was taken for AVX2 gguf alone (the prefill
+  kernel has no AVX2 path; its portable one is slower than SDPA), else csrc. Either keeps
+  chunked prefill batch invariant.
 - layers: a step whose rows all decode on csrc's attention runs every layer in one C
   call ("c": csrc/layers.c, model/layer_loop.py's CLayers) or the Python layer loop
   ("python"). "c" needs csrc linears and attention, dense or gguf weights, no q/k norms.
@@ -22,7 +27,8 @@ Six choices, each a field; "auto" (and kernel 0) picks the fastest that runs her
   instead of once per few rows) or on the decode rows' kernel ("same");
   benchmarks/quant.py measures them.
   "auto" takes amx for weights gguf on csrc's linears where the tiles run
-  (native.amx_supported()) and the kernel is the AVX512-BF16 one, else lanes there. A
+  (native.amx_supported()) and the kernel is the AVX512-BF16 one, else lanes there and
+  beside the AVX2 kernel (the lanes' AVX2 path, vdpbf16ps emulated), else same. A
   row's bits depend on its kind alone, so chunked prefill and batching stay invariant
   either way.
 - kernel: which of csrc's kernels those run (native.KERNEL_AVX512BF16; native.KERNEL_AVX2:
@@ -100,9 +106,12 @@ class Kernels:
         elif linears == "onednn" and not packs:
             raise ModelError("kernels.linears onednn needs a CPU with oneDNN's linear packing")
         csrc_attention = attention.supported(config, dtype, device)
+        # GGUF blocks on the AVX2 kernel: torch's bfloat16 is emulated on such a CPU, and
+        # csrc's decode attention (portable C there) outruns SDPA's (benchmarks/quant.py)
+        avx2_gguf = kernel == native.KERNEL_AVX2 and linears == "csrc" and weights == "gguf"
         att = self.attention
         if att == "auto":
-            att = "csrc" if csrc_attention and auto_csrc else "sdpa"
+            att = "csrc" if csrc_attention and (auto_csrc or avx2_gguf) else "sdpa"
         elif att == "csrc" and not csrc_attention:
             raise ModelError("kernels.attention csrc needs bfloat16 on the CPU with the C extension built, "
                              f"head_dim a multiple of 16 up to {attention.MAX_HEAD_DIM} and at most "
@@ -110,7 +119,9 @@ class Kernels:
         prefill = self.prefill
         csrc_prefill = att == "csrc" and attention.prefill_supported(config)
         if prefill == "auto":
-            prefill = "csrc" if csrc_prefill and not amx else "sdpa"
+            # not for avx2_gguf alone: csrc's prefill kernel has no AVX2 path, and its
+            # portable one is slower than SDPA there
+            prefill = "csrc" if csrc_prefill and not amx and auto_csrc else "sdpa"
         elif prefill == "csrc" and not csrc_prefill:
             raise ModelError("kernels.prefill csrc needs attention csrc and at most "
                              f"{attention.PREFILL_MAX_GROUP} query heads per K/V head "
@@ -124,18 +135,18 @@ class Kernels:
         elif layers == "c" and not in_c:
             raise ModelError("kernels.layers c needs csrc linears and attention, dense or gguf weights, no q/k norms "
                              "and even layer widths")
-        quant = linears == "csrc" and weights == "gguf" and kernel == native.KERNEL_AVX512BF16
-        # a rule with a kernel of its own runs on the AVX512-BF16 GGUF linears only
-        runs = {rule: kernel_fn is None or quant and supported()
+        gguf = linears == "csrc" and weights == "gguf"
+        # a rule with a kernel of its own runs on the GGUF linears beside these decode kernels
+        beside = {"amx": (native.KERNEL_AVX512BF16,), "lanes": (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)}
+        runs = {rule: kernel_fn is None or gguf and kernel in beside[rule] and supported()
                 for rule, (supported, kernel_fn) in PROMPT_RULES.items()}
         prompt_linears = self.prompt_linears
         if prompt_linears == "auto":
             prompt_linears = next(rule for rule in PROMPT_RULES if runs[rule])
         elif not runs[prompt_linears]:
-            need = ("AMX-BF16 tiles that the OS lets this process use" if prompt_linears == "amx"
-                    else "AVX512-BF16")
-            raise ModelError(f"kernels.prompt_linears {prompt_linears} needs weights gguf on csrc's linears, the "
-                             f"AVX512-BF16 kernel and a CPU with {need}")
+            need = ("the AVX512-BF16 kernel and a CPU with AMX-BF16 tiles that the OS lets this process use"
+                    if prompt_linears == "amx" else "the AVX512-BF16 or AVX2 kernel on a CPU that runs it")
+            raise ModelError(f"kernels.prompt_linears {prompt_linears} needs weights gguf on csrc's linears, {need}")
         uses_csrc = linears == "csrc" or att == "csrc"
         return replace(self, linears=linears, attention=att, layers=layers, kernel=kernel if uses_csrc else 0,
                        prefill=prefill, prompt_linears=prompt_linears)

@@ -140,7 +140,7 @@ class QuantLinear:
                  into: Optional[torch.Tensor] = None, prompt_rule: str = "same") -> None:
         """into: where the blocks go (w.nbytes bytes of a WeightArena), else a copy of its own;
         prompt_rule: the prompt rows' rule, one of PROMPT_RULES ("amx": AMX tiles, needs
-        native.amx_supported(); "lanes": vdpbf16ps lanes, needs native.lanes_supported();
+        native.amx_supported(); "lanes": vdpbf16ps lanes (emulated on AVX2), needs native.lanes_supported();
         "same": mb_q_linear's, as the decode rows')."""
         if prompt_rule not in PROMPT_RULES:
             raise ValueError(f"QuantLinear: prompt_rule must be one of {', '.join(PROMPT_RULES)}, not {prompt_rule!r}")

@@ -144,7 +144,9 @@ def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel, v_apart
 
 PROMPT_RULES = {  # rule -> (runs here, its kernel on arrays)
     "amx": (native.amx_supported() and linear.bf16_kernel_available(), native.q_linear_tiles),
-    "lanes": (native.lanes_supported() and linear.bf16_kernel_available(), native.q_linear_lanes),
+    # beside the AVX512-BF16 decode kernel, or the AVX2 one (the lanes' AVX2 path)
+    "lanes": (native.lanes_supported() and native.NATIVE
+              and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2), native.q_linear_lanes),
 }
 
 
@@ -200,3 +202,20 @@ def test_prompt_rules_need_gguf_blocks_and_their_cpu(tmp_path):
             Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="dense", kernels=Kernels(prompt_linears=rule))
     with pytest.raises(ModelError, match="prompt_linears must be one of"):
         Kernels(prompt_linears="tiles")
+
+
+@pytest.mark.skipif(not (native.NATIVE and native.bf16_kernel() == native.KERNEL_AVX2),
+                    reason="the fastest kernel here is not the AVX2 one")
+def test_gguf_on_the_avx2_kernel_takes_csrc_decode_attention_and_the_lanes(tmp_path):
+    """Where AVX2 is the fastest kernel (torch's bfloat16 emulated), GGUF blocks' auto
+    kernels: decode rows on csrc's attention in the C layer loop, prompt rows' attention on
+    SDPA (the prefill kernel has no AVX2 path), prompt rows' linears on the lanes' AVX2
+    path; dense weights keep SDPA and the Python loop."""
+    w = loader.load(_gguf(tmp_path, "llama", Q.Q4_1), torch.bfloat16, CPU, blocks=True)
+    d = Decoder(w.config, w.tensors, torch.bfloat16, CPU, weights="gguf")
+    k = d.kernels
+    assert (k.linears, k.attention, k.layers, k.prefill, k.prompt_linears, k.kernel) == \
+        ("csrc", "csrc", "c", "sdpa", "lanes", native.KERNEL_AVX2)
+    dense = loader.load(_gguf(tmp_path, "llama", Q.Q4_1), torch.bfloat16, CPU)
+    kd = Decoder(dense.config, dense.tensors, torch.bfloat16, CPU, weights="dense").kernels
+    assert (kd.attention, kd.layers) == ("sdpa", "python")
