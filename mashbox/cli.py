@@ -70,13 +70,15 @@ def _parser() -> argparse.ArgumentParser:
                      "length; larger is allowed, with a warning)")
     run.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                      help="compute dtype (default auto: bfloat16 where the CPU or GPU has bfloat16 units "
-                     "or mashbox's AVX512-BF16 kernel runs, else float32; the same on every start)")
+                     "or mashbox's AVX512-BF16 kernel runs, and for a .gguf file with --weights auto on a CPU "
+                     "with AVX2 (its blocks run on mashbox's AVX2 kernels), else float32; the same on every start)")
     run.add_argument("--weights", choices=("auto", "gguf", "dense", "int8", "int4"), default="auto",
                      help="linear weights (default auto: for a .gguf file gguf wherever its blocks run (they read "
                      "fewer bytes a step), else dense): gguf (kept in the file's blocks, bfloat16 "
-                     "on a CPU with AVX512-BF16 or AVX2 (there with --dtype bfloat16): Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
+                     "on a CPU with AVX512-BF16 or AVX2: Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
                      "read as they are, "
-                     "prompt rows on AMX-BF16 tiles where the CPU has them, else on vdpbf16ps lanes, other types dequantized; about "
+                     "prompt rows on AMX-BF16 tiles where the CPU has them, else on vdpbf16ps lanes (emulated on "
+                     "AVX2), other types dequantized; about "
                      "the file's memory), dense (in "
                      "--dtype), or weight-only int8 / int4 (opt-in, bfloat16 on a CPU only: logits "
                      "within ~1%% of dense)")

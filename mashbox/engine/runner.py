@@ -27,7 +27,7 @@ from mashbox.model import decoder as decoder_mod
 from mashbox.model import kv_cache as kv_cache_mod
 from mashbox.model import loader
 from mashbox.model.block_weight import tensor_bytes
-from mashbox.model.device import device_and_dtype
+from mashbox.model.device import device_and_dtype, pick_device
 from mashbox.model.errors import ModelError
 from mashbox.model.layer_loop import StepLimits
 
@@ -74,6 +74,12 @@ def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dty
     return asked
 
 
+def _gguf_on_avx2(cfg: EngineConfig) -> bool:
+    """A .gguf file on a CPU whose fastest csrc kernel is the AVX2 one."""
+    return (loader.is_gguf(cfg.model_path) and native.NATIVE and native.bf16_kernel() == native.KERNEL_AVX2
+            and pick_device(cfg.device).type == "cpu")
+
+
 def sampling_row(p: SamplingParams) -> tuple[float, ...]:
     """The 7 float32 columns native.sample reads for one row."""
     return (
@@ -98,6 +104,12 @@ class Runner:
         hidden = loader.read_config(cfg.model_path).hidden_size  # sizes the auto-dtype probe
         # quantized linears run in bfloat16 only: auto does not get to pick float32 for them
         dtype = "bfloat16" if cfg.weights not in ("dense", "auto") and cfg.dtype == "auto" else cfg.dtype
+        if cfg.weights == "auto" and cfg.dtype == "auto" and _gguf_on_avx2(cfg):
+            # torch's bfloat16 is emulated on such a CPU (auto_dtype's float32), but the blocks'
+            # kernels, attention and layer loop are csrc's: bfloat16 there reads the file's
+            # bytes instead of 4 per weight (README, Quantized weights)
+            log.info("dtype auto -> bfloat16: the GGUF's blocks run on csrc's AVX2 kernels")
+            dtype = "bfloat16"
         self.device, self.dtype = device_and_dtype(cfg.device, dtype, hidden)
         # weights "auto": a GGUF's own blocks where they run, else dense
         self.weight_format = _weight_format(cfg.weights, cfg.model_path, self.device, self.dtype)

@@ -1,5 +1,5 @@
 """The default model (SmolLM2-135M Q4_1) on its own blocks (weights "gguf", the default
-for a GGUF on a CPU with AVX512-BF16) against the dequantized reference: mashbox's
+for a GGUF on a CPU with AVX512-BF16 or AVX2) against the dequantized reference: mashbox's
 float32 dense decoder, which tests/test_default_model_parity.py holds equal to
 transformers' greedy text on the same file.
 
@@ -52,8 +52,11 @@ def _greedy(decoder: Decoder, prompt: list[int]) -> list[int]:
 
 
 def test_blocks_follow_the_dequantized_greedy_text(default_model_path):
-    if not linear.bf16_kernel_available():
-        pytest.skip("weights gguf is the default only with AVX512-BF16 (the portable kernel is for tests)")
+    from mashbox import native
+
+    if not (native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)):
+        pytest.skip("weights gguf is the default only with csrc's AVX512-BF16 or AVX2 kernel (the portable one "
+                    "is for tests)")
     from mashbox.text.chat import ChatTemplate
     from mashbox.text.tokenizer import load_tokenizer
 
@@ -96,15 +99,19 @@ def test_the_files_blocks_take_the_files_memory(default_model_path):
     from mashbox.config import EngineConfig
     from mashbox.engine.runner import Runner
 
-    if not linear.bf16_kernel_available():
-        pytest.skip("weights gguf needs AVX512-BF16")
+    from mashbox import native
+
+    if not (native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)):
+        pytest.skip("weights gguf needs csrc's AVX512-BF16 or AVX2 kernel")
     runner = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="gguf"))
     assert runner.weight_format == "gguf" and runner.dtype == torch.bfloat16
     file_bytes = os.path.getsize(default_model_path)
     # resident weights: the blocks (Q4_1, a Q8_0 embedding/head) and the float32 norms
     assert runner.weight_bytes <= 1.1 * file_bytes, (runner.weight_bytes, file_bytes)
-    # auto is the blocks; dense bfloat16 holds 2.8x their bytes
+    # auto is the blocks, in bfloat16 (on an AVX2 CPU too, where torch's dtype auto is
+    # float32); dense bfloat16 holds 2.8x their bytes
     auto = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64))
     assert auto.weight_format == "gguf" and auto.weight_bytes == runner.weight_bytes
+    assert auto.dtype == torch.bfloat16
     dense = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="dense"))
     assert dense.weight_format == "dense" and dense.weight_bytes > 2 * runner.weight_bytes
