@@ -117,6 +117,11 @@ static inline __attribute__((always_inline)) void mb_y_store_at(void *y, int32_t
         ((uint16_t *)y)[at] = mb_round_bf16(acc);
 }
 
+/* MXCSR's DAZ and FTZ bits: the AVX2 paths that emulate vdpbf16ps by fused multiply-adds
+ * (csrc/linear.c, csrc/lanes.c) set them while they accumulate, so that denormal inputs
+ * read as zero and denormal sums flush, as the instruction's do. */
+#define MB_MXCSR_DAZ_FTZ 0x8040u
+
 /* e^x for x <= 0 (0 below -80): Cody-Waite reduction by ln 2 (the nearest integer by
  * adding and taking away 1.5 * 2^23), Cephes' degree-6 polynomial, times 2^n. */
 static inline float mb_exp(float x) {

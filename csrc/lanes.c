@@ -231,7 +231,8 @@ MB_LANES2_INLINE __m256i mb_lanes2_fifth(uint32_t qh) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
                                             3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    const __m256i has = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bit), bit);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread); /* qh byte e / 8 */
+    const __m256i has = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
     return _mm256_and_si256(has, _mm256_set1_epi8(16));
 }
 
@@ -241,9 +242,11 @@ MB_LANES2_INLINE __m256i mb_lanes2_fifth(uint32_t qh) {
 MB_LANES2_INLINE void mb_lanes2_widen(const int32_t type, const uint8_t *row, int32_t e0, int32_t elems,
                                       float *out, float *scale, float *mins) {
     const __m256i f = _mm256_set1_epi8(15);
+    struct mb_wide_format fmt; /* type is a constant in each instance: this folds away */
+    mb_wide_format(type, &fmt);
     if (type == MB_GGML_Q4_K || type == MB_GGML_Q5_K) {
         const int q5 = type == MB_GGML_Q5_K;
-        const uint8_t *blk = row + (size_t)(e0 / 256) * (q5 ? 176 : 144), *qs = blk + (q5 ? 48 : 16);
+        const uint8_t *blk = row + (size_t)(e0 / 256) * fmt.bytes, *qs = blk + (q5 ? 48 : 16);
         const float d = mb_half_f16c(blk), dmin = mb_half_f16c(blk + 2);
         uint32_t sc[8], mn[8];
         mb_k_scales(blk + 4, sc, mn);
@@ -263,7 +266,7 @@ MB_LANES2_INLINE void mb_lanes2_widen(const int32_t type, const uint8_t *row, in
         return;
     }
     if (type == MB_GGML_Q6_K) {
-        const uint8_t *blk = row + (size_t)(e0 / 256) * 210;
+        const uint8_t *blk = row + (size_t)(e0 / 256) * fmt.bytes;
         const float d = mb_half_f16c(blk + 208);
         for (int h = 0; h < 2; h++) { /* element 128h + 32g + l: 4 low bits from ql, 2 high from qh */
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
@@ -279,13 +282,11 @@ MB_LANES2_INLINE void mb_lanes2_widen(const int32_t type, const uint8_t *row, in
             scale[MB_WIDE_OUTS * s] = d * (float)(int8_t)blk[192 + s];
         return;
     }
-    const int bytes = type == MB_GGML_Q8_0 ? 34 : type == MB_GGML_Q4_0 ? 18 : type == MB_GGML_Q4_1 ? 20
-                      : type == MB_GGML_Q5_0 ? 22 : 24;
     /* the integers' offset (the tables' of widen.h) and where the nibbles and fifth bits lie */
     const __m256i off = _mm256_set1_epi8(type == MB_GGML_Q4_0 ? 8 : type == MB_GGML_Q5_0 ? 16 : 0);
     const int at = type == MB_GGML_Q4_0 ? 2 : type == MB_GGML_Q4_1 ? 4 : type == MB_GGML_Q5_0 ? 6 : 8;
     for (int32_t b = 0; b < elems / 32; b++) {
-        const uint8_t *blk = row + (size_t)(e0 / 32 + b) * bytes;
+        const uint8_t *blk = row + (size_t)(e0 / 32 + b) * fmt.bytes;
         scale[MB_WIDE_OUTS * b] = mb_half_f16c(blk);
         if (type == MB_GGML_Q4_1 || type == MB_GGML_Q5_1)
             mins[MB_WIDE_OUTS * b] = mb_half_f16c(blk + 2);
@@ -350,7 +351,7 @@ MB_LANES2_INLINE void mb_lanes2_item(const struct mb_lanes_job *j, int32_t r0, i
     mb_wide_rows(&j->a, c0, outs, wr);
     memset(park, 0, sizeof(float) * (size_t)blocks * MB_LANES_R * MB_WIDE_OUTS);
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u); /* DAZ | FTZ */
+    _mm_setcsr(csr | MB_MXCSR_DAZ_FTZ);
     for (int32_t e0 = 0; e0 < k; e0 += MB_WIDE_CHUNK) {
         const int32_t elems = k - e0 < MB_WIDE_CHUNK ? k - e0 : MB_WIDE_CHUNK, subs = elems / L;
         for (int o = 0; o < widened; o++)
@@ -380,13 +381,14 @@ MB_LANES2_INLINE void mb_lanes2_item(const struct mb_lanes_job *j, int32_t r0, i
         }
     }
     _mm_setcsr(csr);
-    for (int32_t r = 0; r < rows; r++)
+    for (int32_t r = 0; r < rows; r++) {
+        const float *pr = park + (size_t)(r / MB_LANES_R) * MB_WIDE_OUTS * MB_LANES_R + r % MB_LANES_R;
         for (int32_t o = 0; o < outs; o++)
-            mb_y_store(&j->a, r0 + r, c0 + o, park[((size_t)(r / MB_LANES_R) * MB_WIDE_OUTS + o) * MB_LANES_R + r % MB_LANES_R]);
+            mb_y_store(&j->a, r0 + r, c0 + o, pr[(size_t)o * MB_LANES_R]);
+    }
 }
 
-#define MB_LANES2_ITEM(j, r0, rows, c0, outs, T) mb_lanes2_item(j, r0, rows, c0, outs, T)
-MB_WIDE_INSTANCES(mb_lanes2_run, struct mb_lanes_job, MB_LANES2_ITEM, MB_LANES2_TARGET)
+MB_WIDE_INSTANCES(mb_lanes2_run, struct mb_lanes_job, mb_lanes2_item, MB_LANES2_TARGET)
 
 /* x [m, k] -> xf [blocks][k][8] float32 (denormals zero, rows past m zero), and for the
  * formats with a min sx [blocks][k / 32][8] = the pair chain of each row's sub-block with
@@ -403,7 +405,7 @@ static MB_LANES2_TARGET void mb_lanes2_pack(const uint16_t *x, int64_t ldx, int3
     if (!sx)
         return;
     const unsigned csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040u); /* DAZ | FTZ */
+    _mm_setcsr(csr | MB_MXCSR_DAZ_FTZ);
     for (int32_t b = 0; b < blocks; b++)
         for (int32_t s = 0; s < k / 32; s++) {
             const float *xb = xf + ((size_t)b * k + (size_t)s * 32) * MB_LANES_R;

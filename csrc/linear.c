@@ -211,7 +211,6 @@ static int mb_has_avx512bf16(void) {
 #define MB_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define MB_AVX2_VECS (MB_TILE / 8) /* 8 outputs per float32 ymm: 6 a tile */
 #define MB_AVX2_MR 2               /* rows per sweep: 12 accumulators of 16 ymm */
-#define MB_MXCSR_DAZ_FTZ 0x8040u
 
 /* MR rows x one tile, as mb_tile_avx512; MR a constant in each instantiation. */
 static inline __attribute__((always_inline)) MB_TARGET_AVX2 void

@@ -336,6 +336,12 @@ def bf16_kernel() -> int:
     return int(_lib.mb_bf16_kernel()) if _lib is not None else 0
 
 
+def blocks_kernel_runs() -> bool:
+    """The fastest kernel here is one the GGUF blocks are served on (KERNEL_AVX512BF16 or
+    KERNEL_AVX2; the portable one is for the tests)."""
+    return bf16_kernel() in (KERNEL_AVX512BF16, KERNEL_AVX2)
+
+
 def avx2_supported() -> bool:
     """KERNEL_AVX2 runs on this CPU (AVX2, FMA, F16C; AVX-512 CPUs too)."""
     return _lib is not None and bool(_lib.mb_avx2_supported())

@@ -62,7 +62,7 @@ def _weight_format(asked: str, path: str, device: torch.device, dtype: torch.dty
     where csrc's AVX512-BF16 or AVX2 kernel runs, else "dense"; an explicit "gguf" that
     cannot run here is a ModelError."""
     runs = (loader.is_gguf(path) and device.type == "cpu" and dtype == torch.bfloat16 and native.NATIVE
-            and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2))
+            and native.blocks_kernel_runs())
     if asked == "auto":
         if not runs:
             return "dense"

@@ -54,7 +54,7 @@ def _greedy(decoder: Decoder, prompt: list[int]) -> list[int]:
 def test_blocks_follow_the_dequantized_greedy_text(default_model_path):
     from mashbox import native
 
-    if not (native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)):
+    if not (native.NATIVE and native.blocks_kernel_runs()):
         pytest.skip("weights gguf is the default only with csrc's AVX512-BF16 or AVX2 kernel (the portable one "
                     "is for tests)")
     from mashbox.text.chat import ChatTemplate
@@ -89,7 +89,7 @@ def test_weights_auto_takes_the_files_blocks_where_they_run(default_model_path):
     from mashbox.engine.runner import _weight_format
 
     path, cpu = str(default_model_path), torch.device("cpu")
-    runs = native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)
+    runs = native.NATIVE and native.blocks_kernel_runs()
     assert _weight_format("auto", path, cpu, torch.bfloat16) == ("gguf" if runs else "dense")
     assert _weight_format("auto", path, cpu, torch.float32) == "dense"  # blocks run in bfloat16 only
     assert _weight_format("dense", path, cpu, torch.bfloat16) == "dense"
@@ -101,7 +101,7 @@ def test_the_files_blocks_take_the_files_memory(default_model_path):
 
     from mashbox import native
 
-    if not (native.NATIVE and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2)):
+    if not (native.NATIVE and native.blocks_kernel_runs()):
         pytest.skip("weights gguf needs csrc's AVX512-BF16 or AVX2 kernel")
     runner = Runner(EngineConfig(model_path=default_model_path, model_id="m", slots=1, ctx=64, weights="gguf"))
     assert runner.weight_format == "gguf" and runner.dtype == torch.bfloat16

@@ -145,8 +145,7 @@ def test_c_layer_loop_on_blocks_equals_the_python_loop(tmp_path, kernel, v_apart
 PROMPT_RULES = {  # rule -> (runs here, its kernel on arrays)
     "amx": (native.amx_supported() and linear.bf16_kernel_available(), native.q_linear_tiles),
     # beside the AVX512-BF16 decode kernel, or the AVX2 one (the lanes' AVX2 path)
-    "lanes": (native.lanes_supported() and native.NATIVE
-              and native.bf16_kernel() in (native.KERNEL_AVX512BF16, native.KERNEL_AVX2), native.q_linear_lanes),
+    "lanes": (native.lanes_supported() and native.NATIVE and native.blocks_kernel_runs(), native.q_linear_lanes),
 }
 
 
