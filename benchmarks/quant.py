@@ -20,14 +20,17 @@ dense bfloat16) loads it and measures, in the same run:
 - resident memory: the process's RSS growth over the load (less the KV cache, which
   is zeroed at start; the tokenizer and runtime stay in it) against the file's tensor
   bytes, and the decoder's own weight bytes;
+- with --depth N: batch-1 decode after one N-token prompt (each step reads N keys and
+  values a layer: the decode attention's share), measured once;
 - with LLAMA_BENCH=/path/to/llama-bench: llama.cpp's tg (decode, batch 1) and pp
-  (prefill, -p PREFILL,SHORT) on the same file with -t THREADS, and mashbox's ratios to them.
+  (prefill, -p PREFILL,SHORT) on the same file with -t THREADS, and mashbox's ratios to them
+  (with --depth, its tg after -d N too).
 
 The `quant:` line per file is the result:
 
     quant: <file> b1 <tok/s> (<x>% of read bound <tok/s>; kernel bound <tok/s>) |
            b8 <tok/s> (<r>x b1; kernel bound <tok/s>: <r>x b1) |  (no kernel bound: dense)
-           pp<N> <tok/s> | pp<S> <tok/s> | rss <MB> / tensors <MB> (<r>x) |
+           pp<N> <tok/s> | pp<S> <tok/s> | [b1@<D> <tok/s> |] rss <MB> / tensors <MB> (<r>x) |
            llama.cpp tg <..> pp <..> pp<S> <..> | b1 <r>x llama.cpp, pp <r>x, pp<S> <r>x
 
 The load average is printed beside every figure: on a shared machine only the ratios
@@ -44,7 +47,7 @@ every fork/join whose worker is descheduled (seen at load 3-5: 8-12 ms a call fo
     kernel Q8_0 m=1: 4 layers 20.6 ms, 285 MB, 13.9 GB/s (1.00x dense's GB/s, 1.78x its speed)
 
 Usage: python benchmarks/quant.py [FILE.gguf ...] [--big /work/big] [--tokens 32]
-       [--prefill 512] [--short 8] [--threads 2] [--repeat 2]
+       [--prefill 512] [--short 8] [--threads 2] [--repeat 2] [--depth 2048]
        python benchmarks/quant.py --kernels [--layers 4] [--rows 1]
 """
 from __future__ import annotations
@@ -103,6 +106,24 @@ def _prefill_rate(engine, tokens: int, tag: str) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def _depth_rate(engine, depth: int, tokens: int, tag: str) -> float:
+    """Batch-1 decode tokens/s after a `depth`-token prompt (every step reads its keys and
+    values in each layer): one request, only the steps where it decodes timed."""
+    from mashbox.config import GenerationRequest, SamplingParams
+
+    first = 1000 + (sum(map(ord, tag)) * 7919) % 20000
+    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=tuple(range(first, first + depth)),
+                                    sampling=SamplingParams(temperature=0.0), max_tokens=tokens, ignore_eos=True))
+    steps, seconds = 0, 0.0
+    while engine.has_work:
+        decoding = any(r.state.value == "decoding" for r in engine.scheduler.running.values())
+        t0 = time.perf_counter()
+        engine.step()
+        if decoding:
+            steps, seconds = steps + 1, seconds + time.perf_counter() - t0
+    return steps / seconds
+
+
 def _quant_linears(decoder) -> list:
     """Every QuantLinear a decode step runs: the layers' (a QkvSplit's two parts) and the head."""
     from mashbox.model.linear import QkvSplit, QuantLinear
@@ -146,7 +167,8 @@ def _kernel_bound(decoder, rows: int, cache_bytes: int = 4 << 20) -> float:
     return rows / step if step else 0.0
 
 
-def measure(path: str, weights: str, tokens: int, prefill: int, short: int, threads: int, repeat: int) -> dict:
+def measure(path: str, weights: str, tokens: int, prefill: int, short: int, threads: int, repeat: int,
+            depth: int = 0) -> dict:
     """One file in this process: what the `quant:` line reports, as a dict."""
 
     from benchmarks.decode import ForwardTimer, decode_rate, read_bandwidth
@@ -156,7 +178,7 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
 
     tensor_bytes = GGUFWeights(path).nbytes
     rss0 = _rss()
-    engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16),
+    engine = Engine(EngineConfig(model_path=path, model_id="bench", slots=8, ctx=max(256, prefill + 16, depth + tokens + 16),
                                  threads=threads, prefill_chunk=max(512, prefill), weights=weights, dtype="bfloat16"))
     gc.collect()
     r = engine.runner
@@ -175,8 +197,11 @@ def measure(path: str, weights: str, tokens: int, prefill: int, short: int, thre
         # slice, so the best of a few
         pps = max([pps] + [_prefill_rate(engine, short, f"pps{i}.{j}") for j in range(4)])
         loads.append(os.getloadavg()[0])
+    # one long prompt's prefill takes a minute at this size: once, not once a round
+    bd = _depth_rate(engine, depth, tokens, "depth") if depth else 0.0
     c1, c8 = _kernel_bound(r.decoder, 1), _kernel_bound(r.decoder, 8)
     return dict(file=path, weights=r.weight_format, b1=b1, b8=b8, pp=pp, prefill=prefill, pps=pps, short=short,
+                depth=depth, bd=bd,
                 read_bw=bw, read_bytes=r.read_bytes_per_step, weight_bytes=r.weight_bytes, rss=rss1 - rss0,
                 tensor_bytes=tensor_bytes, load=max(loads), c1=c1, c8=c8)
 
@@ -250,6 +275,14 @@ def llama_bench(binary: str, path: str, tokens: int, prefill: int, short: int,
     return tg, pp.get(prefill, 0.0), pp.get(short, 0.0)
 
 
+def llama_bench_depth(binary: str, path: str, tokens: int, depth: int, threads: int) -> float:
+    """llama-bench's tg tokens/s after a `depth`-token context (-d), one repetition (its
+    prefill of the context is most of the run)."""
+    out = subprocess.run([binary, "-m", path, "-t", str(threads), "-p", "0", "-n", str(tokens), "-d", str(depth),
+                          "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    return next(float(row["avg_ts"]) for row in json.loads(out) if row.get("n_gen", 0) > 0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="*", help="GGUF files (default: the Q8_0 and Q4_K_M big files under --big)")
@@ -259,6 +292,8 @@ def main() -> int:
     ap.add_argument("--short", type=int, default=8, help="prompt tokens of the short prefill (a turn's few new ones)")
     ap.add_argument("--threads", type=int, default=2, help="threads for both (llama-bench -t)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds; the best of each figure counts")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="also batch-1 decode after a prompt of this many tokens (llama-bench -d), once; 0: not")
     ap.add_argument("--weights", default="gguf,dense",
                     help="the --weights forms to measure, comma-separated, each in its own child process")
     ap.add_argument("--kernels", action="store_true", help="the legacy block kernels alone, one thread, out of cache")
@@ -272,13 +307,14 @@ def main() -> int:
         return 0
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.weights, args.tokens, args.prefill, args.short,
-                                             args.threads, args.repeat)))
+                                             args.threads, args.repeat, args.depth)))
         return 0
     files = args.files or [_ensure(args.big, kind) for kind in FILES]
     bench = os.environ.get("LLAMA_BENCH")
     for path, weights in [(p, w) for p in files for w in args.weights.split(",")]:
         argv = ["--one", path, "--weights", weights, "--tokens", str(args.tokens), "--prefill", str(args.prefill),
-                "--short", str(args.short), "--threads", str(args.threads), "--repeat", str(args.repeat)]
+                "--short", str(args.short), "--threads", str(args.threads), "--repeat", str(args.repeat),
+                "--depth", str(args.depth)]
         child = subprocess.run([sys.executable, os.path.abspath(__file__), *argv], capture_output=True, text=True)
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")]
         if child.returncode or not lines:
@@ -293,7 +329,8 @@ def main() -> int:
                 f"({100 * m['b1'] / bound:.0f}% of read bound {bound:.1f}: {m['read_bw'] / 1e9:.1f} GB/s over "
                 f"{m['read_bytes'] / 1e6:.0f} MB a step{c1}) | b8 {m['b8']:.1f} ({m['b8'] / m['b1']:.1f}x b1{c8}) | "
                 f"pp{m['prefill']} {m['pp']:.1f} tok/s | pp{m['short']} {m['pps']:.1f} tok/s | "
-                f"rss {m['rss'] / 1e6:.0f} MB, weights "
+                + (f"b1@{m['depth']} {m['bd']:.1f} tok/s | " if m["depth"] else "")
+                + f"rss {m['rss'] / 1e6:.0f} MB, weights "
                 f"{m['weight_bytes'] / 1e6:.0f} MB / tensors {m['tensor_bytes'] / 1e6:.0f} MB "
                 f"({m['rss'] / m['tensor_bytes']:.2f}x) | load {m['load']:.1f}")
         if bench and weights == args.weights.split(",")[0]:
@@ -301,6 +338,9 @@ def main() -> int:
             line += (f" | llama.cpp tg{args.tokens} {tg:.1f} pp{args.prefill} {pp:.1f} pp{args.short} {pps:.1f} "
                      f"(load {os.getloadavg()[0]:.1f}) | b1 {m['b1'] / tg:.2f}x llama.cpp, pp {m['pp'] / pp:.2f}x, "
                      f"pp{args.short} {m['pps'] / pps:.2f}x")
+            if args.depth:
+                td = llama_bench_depth(bench, path, args.tokens, args.depth, args.threads)
+                line += f" | llama.cpp tg{args.tokens}@d{args.depth} {td:.1f}: b1@{args.depth} {m['bd'] / td:.2f}x"
         print(line, flush=True)
     return 0
 

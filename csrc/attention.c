@@ -19,6 +19,10 @@
  * on its own vector, its keys and its position only: not on the other rows of the call,
  * the thread that runs it, or how its slot's cache was filled.
  *
+ * Paths: portable C (built as clones), AVX-512 (16 keys at a time) and AVX2 (8 keys; its
+ * value sums held in registers across a block's keys, the block's values converted once
+ * for a group of query heads): the same operations in the same order, so the same bits.
+ *
  * Threads: one work item per (row, K/V head), the group of query heads sharing that K/V
  * together, handed out one at a time on the caller's OpenMP pool (as linear.c's); short
  * calls run on the calling thread, where waking the pool would cost more than the work.
@@ -236,6 +240,139 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
 
 #endif
 
+/* ---- AVX2 path: the same operations, 8 keys at a time ----
+ * A dot's 16 lanes are two ymm (dims 16v .. 16v + 7 and 16v + 8 .. 16v + 15); the folds
+ * of 8 keys' dots at once give their scores in one ymm. target avx2 without fma, so
+ * every mul and add stays apart as the rule has them. */
+#if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define MB_ATT_HAVE_AVX2 1
+#include <immintrin.h>
+
+#define MB_ATT2_TARGET __attribute__((target("avx2")))
+#define MB_ATT2_INLINE static inline __attribute__((always_inline)) MB_ATT2_TARGET
+
+MB_ATT2_INLINE __m256 mb_att2_load_bf16(const uint16_t *p) { /* 8 bfloat16 -> float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* lo[i], hi[i]: lanes 0-7 and 8-15 of key i's 16 lane sums. Each stage adds lane l to
+ * lane l + 8, + 4, + 2, + 1 of the same key (as mb_att_dot), two or four keys side by
+ * side: the 8 dots, key i in lane i. */
+MB_ATT2_INLINE __m256 mb_att2_fold8(const __m256 *lo, const __m256 *hi) {
+    __m256 r0[8], r1[4], r2[2];
+    for (int i = 0; i < 8; i++)
+        r0[i] = _mm256_add_ps(lo[i], hi[i]);
+    for (int i = 0; i < 4; i++) /* lanes 0-3 key 2i, 4-7 key 2i + 1 */
+        r1[i] = _mm256_add_ps(_mm256_permute2f128_ps(r0[2 * i], r0[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(r0[2 * i], r0[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* pairs of lanes: keys 4i, 4i + 2, 4i + 1, 4i + 3 */
+        r2[i] = _mm256_add_ps(_mm256_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m256 r3 = _mm256_add_ps(_mm256_shuffle_ps(r2[0], r2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm256_shuffle_ps(r2[0], r2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane i of r3 holds key 0, 2, 4, 6, 1, 3, 5, 7: put key k in lane k */
+    return _mm256_permutevar8x32_ps(r3, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* acc[0 .. 8 NV) += p_i * v_i for the block's keys i < n in order, NV ymm of it held in
+ * registers across the keys: from the cache's bfloat16 rows vb (stride D) or, where vf
+ * is set, their float32 (stride MB_ATT_MAX_DIM). */
+MB_ATT2_INLINE void mb_att2_pv(float *acc, const float *p, int32_t n, const uint16_t *vb, const float *vf,
+                               int32_t D, const int NV) {
+    __m256 a[8];
+    for (int v = 0; v < NV; v++)
+        a[v] = _mm256_load_ps(acc + 8 * v);
+    for (int32_t i = 0; i < n; i++) {
+        __m256 pv = _mm256_set1_ps(p[i]);
+        for (int v = 0; v < NV; v++) {
+            __m256 x = vf ? _mm256_load_ps(vf + (size_t)i * MB_ATT_MAX_DIM + 8 * v)
+                          : mb_att2_load_bf16(vb + (size_t)i * D + 8 * v);
+            a[v] = _mm256_add_ps(a[v], _mm256_mul_ps(pv, x));
+        }
+    }
+    for (int v = 0; v < NV; v++)
+        _mm256_store_ps(acc + 8 * v, a[v]);
+}
+
+static MB_ATT2_TARGET void mb_att_item_avx2(const struct mb_att_job *j, int64_t item) {
+    int32_t r = (int32_t)(item / j->kv_heads), h = (int32_t)(item % j->kv_heads);
+    int32_t G = j->heads / j->kv_heads, D = j->head_dim, V = D / MB_ATT_LANES, D8 = D / 8;
+    int64_t end = j->ends[r];
+    int64_t lo = j->window > 0 && end > j->window ? end - j->window : 0;
+    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
+    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
+    const uint16_t *qh = j->q + (size_t)j->rows[r] * j->ldq + (size_t)h * G * D;
+    float qf[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(32)));
+    float acc[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(32)));
+    float s[MB_ATT_MAX_GROUP][MB_ATT_BLOCK] __attribute__((aligned(32)));
+    float kf[8][MB_ATT_MAX_DIM] __attribute__((aligned(32)));
+    float vf[MB_ATT_BLOCK][MB_ATT_MAX_DIM] __attribute__((aligned(32))); /* G > 1: a block's values */
+    float m[MB_ATT_MAX_GROUP], l[MB_ATT_MAX_GROUP];
+    const __m256 scale = _mm256_set1_ps(j->scale);
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t v = 0; v < D8; v++) {
+            _mm256_store_ps(qf[g] + 8 * v, mb_att2_load_bf16(qh + (size_t)g * D + 8 * v));
+            _mm256_store_ps(acc[g] + 8 * v, _mm256_setzero_ps());
+        }
+    for (int64_t b = lo; b < end; b += MB_ATT_BLOCK) {
+        int32_t n = end - b < MB_ATT_BLOCK ? (int32_t)(end - b) : MB_ATT_BLOCK;
+        for (int32_t c0 = 0; c0 < n; c0 += 8) {
+            int32_t nk = n - c0 < 8 ? n - c0 : 8;
+            for (int32_t i = 0; i < nk; i++)
+                for (int32_t v = 0; v < D8; v++)
+                    _mm256_store_ps(kf[i] + 8 * v, mb_att2_load_bf16(kh + (size_t)(b + c0 + i) * D + 8 * v));
+            for (int32_t g = 0; g < G; g++) {
+                __m256 plo[8], phi[8];
+                for (int32_t i = 0; i < 8; i++) {
+                    if (i >= nk) { /* past the block's keys: folded, never read */
+                        plo[i] = phi[i] = _mm256_setzero_ps();
+                        continue;
+                    }
+                    __m256 a = _mm256_mul_ps(_mm256_load_ps(qf[g]), _mm256_load_ps(kf[i]));
+                    __m256 z = _mm256_mul_ps(_mm256_load_ps(qf[g] + 8), _mm256_load_ps(kf[i] + 8));
+                    for (int32_t v = 1; v < V; v++) {
+                        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_load_ps(qf[g] + 16 * v),
+                                                           _mm256_load_ps(kf[i] + 16 * v)));
+                        z = _mm256_add_ps(z, _mm256_mul_ps(_mm256_load_ps(qf[g] + 16 * v + 8),
+                                                           _mm256_load_ps(kf[i] + 16 * v + 8)));
+                    }
+                    plo[i] = a, phi[i] = z;
+                }
+                /* c0 + 8 <= MB_ATT_BLOCK: the lanes past n are written (zeros), never read */
+                _mm256_store_ps(s[g] + c0, _mm256_mul_ps(mb_att2_fold8(plo, phi), scale));
+            }
+        }
+        for (int32_t g = 0; g < G; g++) {
+            mb_att_rescale(s[g], n, b == lo, &m[g], &l[g], acc[g], D);
+            __m256 mv = _mm256_set1_ps(m[g]);
+            for (int32_t i = 0; i < n; i += 8)
+                _mm256_store_ps(s[g] + i, mb_exp8(_mm256_sub_ps(_mm256_load_ps(s[g] + i), mv)));
+        }
+        /* the block's values: float32 once for a group of heads, read from the cache by one */
+        const uint16_t *vb = vh + (size_t)b * D;
+        if (G > 1)
+            for (int32_t i = 0; i < n; i++)
+                for (int32_t v = 0; v < D8; v++)
+                    _mm256_store_ps(vf[i] + 8 * v, mb_att2_load_bf16(vb + (size_t)i * D + 8 * v));
+        for (int32_t g = 0; g < G; g++) {
+            for (int32_t i = 0; i < n; i++)
+                l[g] = l[g] + s[g][i];
+            int32_t d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64)
+                mb_att2_pv(acc[g] + d0, s[g], n, vb + d0, G > 1 ? vf[0] + d0 : NULL, D, 8);
+            if (D - d0 >= 32)
+                mb_att2_pv(acc[g] + d0, s[g], n, vb + d0, G > 1 ? vf[0] + d0 : NULL, D, 4), d0 += 32;
+            if (D - d0 >= 16)
+                mb_att2_pv(acc[g] + d0, s[g], n, vb + d0, G > 1 ? vf[0] + d0 : NULL, D, 2);
+        }
+    }
+    uint16_t *o = j->out + (size_t)j->rows[r] * j->ldo + (size_t)h * G * D;
+    for (int32_t g = 0; g < G; g++)
+        for (int32_t d = 0; d < D; d++)
+            o[(size_t)g * D + d] = mb_round_bf16(acc[g][d] / l[g]);
+}
+#endif
+
 static void mb_att_worker(void *data) {
     struct mb_att_job *j = (struct mb_att_job *)data;
     for (;;) {
@@ -270,8 +407,12 @@ int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t
     j.heads = heads, j.kv_heads = kv_heads, j.head_dim = head_dim, j.window = window;
     j.scale = scale, j.k_cache = k_cache, j.v_cache = v_cache, j.capacity = capacity;
     j.out = out, j.ldo = ldo, j.items = (int64_t)t * kv_heads;
-    if (kernel == MB_KERNEL_PORTABLE || kernel == MB_KERNEL_AVX2) /* no AVX2 path of its own */
+    if (kernel == MB_KERNEL_PORTABLE)
         j.run = mb_att_item;
+#if MB_ATT_HAVE_AVX2
+    else if (kernel == MB_KERNEL_AVX2 && mb_avx2_supported())
+        j.run = mb_att_item_avx2;
+#endif
 #if MB_ATT_HAVE_AVX512
     else if (kernel == MB_KERNEL_AVX512BF16 && mb_bf16_kernel() == MB_KERNEL_AVX512BF16)
         j.run = mb_att_item_avx512;

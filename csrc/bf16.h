@@ -161,6 +161,26 @@ static inline __attribute__((always_inline, target("avx512f"))) __m512 mb_exp16(
     return _mm512_mask_blend_ps(low, _mm512_mul_ps(p, _mm512_castsi512_ps(e)), _mm512_setzero_ps());
 }
 
+/* mb_exp on 8 lanes, as mb_exp16 (csrc/attention.c's AVX2 softmax). target avx2 alone:
+ * without fma in the target GCC cannot fuse a mul and its add. */
+static inline __attribute__((always_inline, target("avx2"))) __m256 mb_exp8(__m256 x) {
+    const __m256 lim = _mm256_set1_ps(-80.0f), magic = _mm256_set1_ps(12582912.0f);
+    __m256 low = _mm256_cmp_ps(x, lim, _CMP_LT_OQ);
+    __m256 y = _mm256_blendv_ps(x, lim, low);
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.44269504f)), magic), magic);
+    __m256 r = _mm256_sub_ps(_mm256_sub_ps(y, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                             _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(low, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
 /* the little-endian float16 at p, as float32 (vcvtph2ps: exact, subnormals included, no
  * branch; ggml_blocks.h's mb_half's values for every non-NaN half): csrc/kquant.c's and
  * csrc/widen.h's per-block scales, one per 32 weights, where mb_half's shifts and

@@ -176,8 +176,9 @@ int mb_bf16_rope_kv(uint16_t *qkv, int64_t ldq, int32_t t, int32_t heads, int32_
  * keys [lo, ends[r]) of slot slots[r] in the caches [n_slots, kv_heads, capacity,
  * head_dim], lo = ends[r] - window when window > 0 and shorter; the result goes to
  * out[rows[r]] ([heads, head_dim], rows ldo apart). A row's bits depend on its own
- * query, keys and end only. kernel: MB_KERNEL_PORTABLE, or MB_KERNEL_AVX512BF16 for the
- * AVX-512 path where mb_bf16_kernel() offers it. parallel / threads as mb_bf16_linear's. MB_EINVAL for a
+ * query, keys and end only. kernel: MB_KERNEL_PORTABLE, MB_KERNEL_AVX512BF16 for the
+ * AVX-512 path where mb_bf16_kernel() offers it, or MB_KERNEL_AVX2 for the AVX2 path where
+ * mb_avx2_supported() (the same bits each way). parallel / threads as mb_bf16_linear's. MB_EINVAL for a
  * row, slot or end out of range, heads not a multiple of kv_heads or over 32 per K/V
  * head, head_dim not a multiple of 16 or over 256. */
 int mb_bf16_attention(const uint16_t *q, int64_t ldq, int32_t n_q, const int64_t *rows,

@@ -11,8 +11,10 @@ from hypothesis import given, settings, strategies as st
 from mashbox import native, native_ref
 from mashbox.model import csrc, linear
 
-KERNELS = [native.KERNEL_PORTABLE] + ([native.KERNEL_AVX512BF16] if linear.bf16_kernel_available() else [])
-KERNEL_IDS = ["portable", "avx512"][:len(KERNELS)]
+_FAST = [(native.KERNEL_AVX512BF16, "avx512")] if linear.bf16_kernel_available() else []
+_FAST += [(native.KERNEL_AVX2, "avx2")] if native.avx2_supported() else []
+KERNELS = [native.KERNEL_PORTABLE] + [kernel for kernel, _ in _FAST]
+KERNEL_IDS = ["portable"] + [name for _, name in _FAST]
 
 
 def _bf16(a) -> np.ndarray:
@@ -154,3 +156,22 @@ def test_blocks_that_raise_the_max_rescale_alike(kernel):
     native_ref.bf16_attention(q, rows, slots, ends, heads, kv_heads, 0, 0.125, k, v, want)
     native.bf16_attention(q, rows, slots, ends, heads, kv_heads, 0, 0.125, k, v, got, kernel=kernel)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=KERNEL_IDS)
+def test_keys_far_below_the_max_weigh_exactly_zero(kernel):
+    """e(x) is 0 below -80, not e^-80: keys scoring 256 under the top one add nothing, so
+    the dims where the top key's value is 0 come out exactly 0 (100 keys: two blocks)."""
+    d, keys = 16, 100
+    q = _bf16(np.full((1, d), 8.0))
+    k = np.full((1, 1, keys, d), -1.0)
+    k[0, 0, 0] = 1.0  # score 128; every other key -128
+    v = np.ones((1, 1, keys, d))
+    v[0, 0, 0, :8] = 0.0
+    k_cache, v_cache = _bf16(k), _bf16(v)
+    args = (np.arange(1), np.zeros(1, np.int64), np.array([keys]), 1, 1, 0, 1.0, k_cache, v_cache)
+    want, got = np.zeros((1, d), np.uint16), np.zeros((1, d), np.uint16)
+    native_ref.bf16_attention(q, *args, want)
+    native.bf16_attention(q, *args, got, kernel=kernel)
+    assert np.array_equal(got, want)
+    assert np.array_equal(native_ref.bf16_to_f32(got)[0], [0.0] * 8 + [1.0] * 8)
