@@ -90,15 +90,19 @@ def _ensure(big: str, kind: str) -> str:
     return path
 
 
+def _fresh_ids(tag: str, tokens: int) -> tuple:
+    """`tokens` prompt ids for a request tagged `tag`: any ids (speed does not depend on
+    them), but another prompt per tag: a repeated one would be served from the prefix
+    cache and time almost nothing."""
+    first = 1000 + (sum(map(ord, tag)) * 7919) % 20000
+    return tuple(range(first, first + tokens))
+
+
 def _prefill_rate(engine, tokens: int, tag: str) -> float:
     """Prompt tokens/s of one request of `tokens` tokens (one step at prefill_chunk >= tokens)."""
     from mashbox.config import GenerationRequest, SamplingParams
 
-    # any ids (speed does not depend on them), but another prompt per call: a repeated
-    # one would be served from the prefix cache and time almost nothing
-    first = 1000 + (sum(map(ord, tag)) * 7919) % 20000
-    ids = list(range(first, first + tokens))
-    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=tuple(ids),
+    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=_fresh_ids(tag, tokens),
                                     sampling=SamplingParams(temperature=0.0), max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
     while engine.has_work:
@@ -111,8 +115,7 @@ def _depth_rate(engine, depth: int, tokens: int, tag: str) -> float:
     values in each layer): one request, only the steps where it decodes timed."""
     from mashbox.config import GenerationRequest, SamplingParams
 
-    first = 1000 + (sum(map(ord, tag)) * 7919) % 20000
-    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=tuple(range(first, first + depth)),
+    engine.submit(GenerationRequest(id=tag, tenant="bench", prompt_ids=_fresh_ids(tag, depth),
                                     sampling=SamplingParams(temperature=0.0), max_tokens=tokens, ignore_eos=True))
     steps, seconds = 0, 0.0
     while engine.has_work:

@@ -85,16 +85,43 @@ static inline void mb_att_rescale(const float *s, int32_t n, int first, float *m
     }
 }
 
-/* Row r = item / kv_heads, K/V head h = item % kv_heads: its group of query heads. */
+/* A work item's place, the same for every path: row r = item / kv_heads, K/V head h =
+ * item % kv_heads, the keys [lo, end) it attends to, its K/V head's cache rows kh, vh and
+ * its group of G query heads' vectors qh. */
+struct mb_att_place {
+    int32_t r, h, G, D;
+    int64_t lo, end;
+    const uint16_t *kh, *vh, *qh;
+};
+
+static inline struct mb_att_place mb_att_place_of(const struct mb_att_job *j, int64_t item) {
+    struct mb_att_place at;
+    at.r = (int32_t)(item / j->kv_heads), at.h = (int32_t)(item % j->kv_heads);
+    at.G = j->heads / j->kv_heads, at.D = j->head_dim;
+    at.end = j->ends[at.r];
+    at.lo = j->window > 0 && at.end > j->window ? at.end - j->window : 0;
+    size_t head = ((size_t)j->slots[at.r] * j->kv_heads + at.h) * (size_t)j->capacity * at.D;
+    at.kh = j->k_cache + head, at.vh = j->v_cache + head;
+    at.qh = j->q + (size_t)j->rows[at.r] * j->ldq + (size_t)at.h * at.G * at.D;
+    return at;
+}
+
+/* The item's output: out = bfloat16(acc / l), nearest even, per query head of its group. */
+static inline void mb_att_store(const struct mb_att_job *j, const struct mb_att_place *at,
+                                float (*acc)[MB_ATT_MAX_DIM], const float *l) {
+    uint16_t *o = j->out + (size_t)j->rows[at->r] * j->ldo + (size_t)at->h * at->G * at->D;
+    for (int32_t g = 0; g < at->G; g++)
+        for (int32_t d = 0; d < at->D; d++)
+            o[(size_t)g * at->D + d] = mb_round_bf16(acc[g][d] / l[g]);
+}
+
+/* Work item `item`: one row's group of query heads on one K/V head. */
 MB_CLONES
 static void mb_att_item(const struct mb_att_job *j, int64_t item) {
-    int32_t r = (int32_t)(item / j->kv_heads), h = (int32_t)(item % j->kv_heads);
-    int32_t G = j->heads / j->kv_heads, D = j->head_dim;
-    int64_t end = j->ends[r];
-    int64_t lo = j->window > 0 && end > j->window ? end - j->window : 0;
-    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
-    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
-    const uint16_t *qh = j->q + (size_t)j->rows[r] * j->ldq + (size_t)h * G * D;
+    const struct mb_att_place at = mb_att_place_of(j, item);
+    const int32_t G = at.G, D = at.D;
+    const int64_t lo = at.lo, end = at.end;
+    const uint16_t *kh = at.kh, *vh = at.vh, *qh = at.qh;
     float qf[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM], acc[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM];
     float s[MB_ATT_MAX_GROUP][MB_ATT_BLOCK], m[MB_ATT_MAX_GROUP], l[MB_ATT_MAX_GROUP];
     float kf[MB_ATT_MAX_DIM];
@@ -129,10 +156,7 @@ static void mb_att_item(const struct mb_att_job *j, int64_t item) {
             }
         }
     }
-    uint16_t *o = j->out + (size_t)j->rows[r] * j->ldo + (size_t)h * G * D;
-    for (int32_t g = 0; g < G; g++)
-        for (int32_t d = 0; d < D; d++)
-            o[(size_t)g * D + d] = mb_round_bf16(acc[g][d] / l[g]);
+    mb_att_store(j, &at, acc, l);
 }
 
 /* ---- AVX-512 path: the same operations, 16 keys at a time ---- */
@@ -168,13 +192,10 @@ static inline MB_ATT_TARGET __m512 mb_att_fold16(__m512 *part) {
 }
 
 static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t item) {
-    int32_t r = (int32_t)(item / j->kv_heads), h = (int32_t)(item % j->kv_heads);
-    int32_t G = j->heads / j->kv_heads, D = j->head_dim, V = D / MB_ATT_LANES;
-    int64_t end = j->ends[r];
-    int64_t lo = j->window > 0 && end > j->window ? end - j->window : 0;
-    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
-    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
-    const uint16_t *qh = j->q + (size_t)j->rows[r] * j->ldq + (size_t)h * G * D;
+    const struct mb_att_place at = mb_att_place_of(j, item);
+    const int32_t G = at.G, D = at.D, V = D / MB_ATT_LANES;
+    const int64_t lo = at.lo, end = at.end;
+    const uint16_t *kh = at.kh, *vh = at.vh, *qh = at.qh;
     float qf[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(64)));
     float acc[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(64)));
     float s[MB_ATT_MAX_GROUP][MB_ATT_BLOCK] __attribute__((aligned(64)));
@@ -232,10 +253,7 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
             }
         }
     }
-    uint16_t *o = j->out + (size_t)j->rows[r] * j->ldo + (size_t)h * G * D;
-    for (int32_t g = 0; g < G; g++)
-        for (int32_t d = 0; d < D; d++)
-            o[(size_t)g * D + d] = mb_round_bf16(acc[g][d] / l[g]);
+    mb_att_store(j, &at, acc, l);
 }
 
 #endif
@@ -246,7 +264,6 @@ static MB_ATT_TARGET void mb_att_item_avx512(const struct mb_att_job *j, int64_t
  * every mul and add stays apart as the rule has them. */
 #if defined(__x86_64__) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
 #define MB_ATT_HAVE_AVX2 1
-#include <immintrin.h>
 
 #define MB_ATT2_TARGET __attribute__((target("avx2")))
 #define MB_ATT2_INLINE static inline __attribute__((always_inline)) MB_ATT2_TARGET
@@ -295,13 +312,10 @@ MB_ATT2_INLINE void mb_att2_pv(float *acc, const float *p, int32_t n, const uint
 }
 
 static MB_ATT2_TARGET void mb_att_item_avx2(const struct mb_att_job *j, int64_t item) {
-    int32_t r = (int32_t)(item / j->kv_heads), h = (int32_t)(item % j->kv_heads);
-    int32_t G = j->heads / j->kv_heads, D = j->head_dim, V = D / MB_ATT_LANES, D8 = D / 8;
-    int64_t end = j->ends[r];
-    int64_t lo = j->window > 0 && end > j->window ? end - j->window : 0;
-    size_t head = ((size_t)j->slots[r] * j->kv_heads + h) * (size_t)j->capacity * D;
-    const uint16_t *kh = j->k_cache + head, *vh = j->v_cache + head;
-    const uint16_t *qh = j->q + (size_t)j->rows[r] * j->ldq + (size_t)h * G * D;
+    const struct mb_att_place at = mb_att_place_of(j, item);
+    const int32_t G = at.G, D = at.D, V = D / MB_ATT_LANES, D8 = D / 8;
+    const int64_t lo = at.lo, end = at.end;
+    const uint16_t *kh = at.kh, *vh = at.vh, *qh = at.qh;
     float qf[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(32)));
     float acc[MB_ATT_MAX_GROUP][MB_ATT_MAX_DIM] __attribute__((aligned(32)));
     float s[MB_ATT_MAX_GROUP][MB_ATT_BLOCK] __attribute__((aligned(32)));
@@ -366,10 +380,7 @@ static MB_ATT2_TARGET void mb_att_item_avx2(const struct mb_att_job *j, int64_t 
                 mb_att2_pv(acc[g] + d0, s[g], n, vb + d0, G > 1 ? vf[0] + d0 : NULL, D, 2);
         }
     }
-    uint16_t *o = j->out + (size_t)j->rows[r] * j->ldo + (size_t)h * G * D;
-    for (int32_t g = 0; g < G; g++)
-        for (int32_t d = 0; d < D; d++)
-            o[(size_t)g * D + d] = mb_round_bf16(acc[g][d] / l[g]);
+    mb_att_store(j, &at, acc, l);
 }
 #endif
 
